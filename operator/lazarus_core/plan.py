@@ -1,0 +1,238 @@
+"""The placement plan: the one contract between the controller and the workers.
+
+A plan generation says, for every MoE layer, how many replicas each expert has and which
+slots of which node hold them. Workers consume exactly this object (as JSON); the operator
+publishes it and the local backend hands it to its processes.
+
+Node order is rank order: node i owns the ranks in ``nodes[i].ranks`` and its slots are
+``placement[i]``. Slot s of a node belongs to its rank ``ranks[s // slots_per_rank]``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+SCHEMA_VERSION = "lazarus.dev/plan/v1"
+
+
+class PlanError(ValueError):
+    """A plan that violates the schema; ``violations`` lists every problem with its field."""
+
+    def __init__(self, violations: list[str]):
+        self.violations = violations
+        super().__init__("; ".join(violations))
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """One failure domain (a machine): its name, its zone and the worker ranks it hosts."""
+
+    name: str
+    ranks: tuple[int, ...]
+    slots_per_rank: int
+    zone: str = ""
+
+    @property
+    def slots(self) -> int:
+        return len(self.ranks) * self.slots_per_rank
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Replica counts per expert (expert-id order) and the expert id in each node's slots."""
+
+    replicas: tuple[int, ...]
+    placement: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    experts: int
+    min_replicas: int
+    policy: str
+    nodes: tuple[PlanNode, ...]
+    layers: tuple[LayerPlan, ...]
+    # Why this generation exists (Initial, NodeLost, NodeJoined, Rebalance, SpotNotice, ...).
+    reason: str = "Initial"
+    # Model-level recovery probability for k failed nodes, k = 1..K, keyed by str(k).
+    recovery: dict[str, float] = field(default_factory=dict)
+    version: str = SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(n.ranks) for n in self.nodes)
+
+    def rank_experts(self, layer: int, rank: int) -> tuple[int, ...]:
+        """Expert ids held by ``rank`` in ``layer``, one entry per slot (repeats allowed)."""
+        for node, slots in zip(self.nodes, self.layers[layer].placement):
+            if rank in node.ranks:
+                i = node.ranks.index(rank)
+                c = node.slots_per_rank
+                return slots[i * c:(i + 1) * c]
+        raise KeyError(f"rank {rank} is not in plan generation {self.generation}")
+
+    def node_index(self, name: str) -> int:
+        for i, node in enumerate(self.nodes):
+            if node.name == name:
+                return i
+        raise KeyError(f"node {name!r} is not in plan generation {self.generation}")
+
+    # --- serialisation -------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["nodes"] = [dict(n, ranks=list(n["ranks"])) for n in d["nodes"]]
+        d["layers"] = [
+            {"replicas": list(l["replicas"]), "placement": [list(s) for s in l["placement"]]}
+            for l in d["layers"]
+        ]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        violations = _shape_violations(d)
+        if violations:
+            raise PlanError(violations)
+        plan = cls(
+            version=d["version"],
+            generation=d["generation"],
+            experts=d["experts"],
+            min_replicas=d["min_replicas"],
+            policy=d["policy"],
+            reason=d.get("reason", "Initial"),
+            recovery={str(k): float(v) for k, v in d.get("recovery", {}).items()},
+            nodes=tuple(
+                PlanNode(
+                    name=n["name"],
+                    ranks=tuple(n["ranks"]),
+                    slots_per_rank=n["slots_per_rank"],
+                    zone=n.get("zone", ""),
+                )
+                for n in d["nodes"]
+            ),
+            layers=tuple(
+                LayerPlan(
+                    replicas=tuple(l["replicas"]),
+                    placement=tuple(tuple(s) for s in l["placement"]),
+                )
+                for l in d["layers"]
+            ),
+        )
+        validate(plan)
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError([f"plan: not valid JSON ({e})"]) from None
+        return cls.from_dict(d)
+
+
+def _shape_violations(d) -> list[str]:
+    """Type checks that must pass before the dataclasses can be built at all."""
+    if not isinstance(d, dict):
+        return ["plan: must be a JSON object"]
+    v = []
+    if d.get("version") != SCHEMA_VERSION:
+        v.append(f"version: must be {SCHEMA_VERSION!r}, got {d.get('version')!r}")
+    for key in ("generation", "experts", "min_replicas"):
+        if not isinstance(d.get(key), int) or isinstance(d.get(key), bool):
+            v.append(f"{key}: must be an integer")
+    if not isinstance(d.get("policy"), str):
+        v.append("policy: must be a string")
+    nodes = d.get("nodes")
+    if not isinstance(nodes, list):
+        v.append("nodes: must be a list")
+    else:
+        for i, n in enumerate(nodes):
+            if not isinstance(n, dict):
+                v.append(f"nodes[{i}]: must be an object")
+                continue
+            if not isinstance(n.get("name"), str):
+                v.append(f"nodes[{i}].name: must be a string")
+            if not isinstance(n.get("ranks"), list) or not all(
+                isinstance(r, int) for r in n.get("ranks", [])
+            ):
+                v.append(f"nodes[{i}].ranks: must be a list of integers")
+            if not isinstance(n.get("slots_per_rank"), int):
+                v.append(f"nodes[{i}].slots_per_rank: must be an integer")
+    layers = d.get("layers")
+    if not isinstance(layers, list):
+        v.append("layers: must be a list")
+    else:
+        for i, l in enumerate(layers):
+            if not isinstance(l, dict):
+                v.append(f"layers[{i}]: must be an object")
+                continue
+            if not isinstance(l.get("replicas"), list):
+                v.append(f"layers[{i}].replicas: must be a list")
+            p = l.get("placement")
+            if not isinstance(p, list) or not all(isinstance(s, list) for s in p):
+                v.append(f"layers[{i}].placement: must be a list of lists")
+    return v
+
+
+def violations(plan: Plan) -> list[str]:
+    """Every way ``plan`` breaks the schema's invariants, each naming its field."""
+    v = []
+    if plan.generation < 1:
+        v.append("generation: must be >= 1")
+    if plan.experts < 1:
+        v.append("experts: must be >= 1")
+    if plan.min_replicas < 1:
+        v.append("min_replicas: must be >= 1")
+    if not plan.nodes:
+        v.append("nodes: must not be empty")
+    names = [n.name for n in plan.nodes]
+    if len(set(names)) != len(names):
+        v.append("nodes: node names must be unique")
+    ranks = [r for n in plan.nodes for r in n.ranks]
+    if sorted(ranks) != list(range(len(ranks))):
+        v.append(f"nodes[].ranks: ranks must be exactly 0..{len(ranks) - 1}, each once")
+    for i, n in enumerate(plan.nodes):
+        if not n.ranks:
+            v.append(f"nodes[{i}].ranks: a node must host at least one rank")
+        if n.slots_per_rank < 1:
+            v.append(f"nodes[{i}].slots_per_rank: must be >= 1")
+    if not plan.layers:
+        v.append("layers: must not be empty")
+    for li, layer in enumerate(plan.layers):
+        where = f"layers[{li}]"
+        if len(layer.replicas) != plan.experts:
+            v.append(f"{where}.replicas: needs one count per expert ({plan.experts})")
+        if len(layer.placement) != len(plan.nodes):
+            v.append(f"{where}.placement: needs one slot list per node ({len(plan.nodes)})")
+            continue
+        counts = [0] * plan.experts
+        for ni, (node, slots) in enumerate(zip(plan.nodes, layer.placement)):
+            if len(slots) != node.slots:
+                v.append(f"{where}.placement[{ni}]: node {node.name} has {node.slots} slots, "
+                         f"plan fills {len(slots)}")
+            for e in slots:
+                if not 0 <= e < plan.experts:
+                    v.append(f"{where}.placement[{ni}]: expert id {e} out of range")
+                else:
+                    counts[e] += 1
+        if len(layer.replicas) == plan.experts:
+            for e, (want, got) in enumerate(zip(layer.replicas, counts)):
+                if want != got:
+                    v.append(f"{where}.replicas[{e}]: says {want}, placement holds {got}")
+                if want < 1:
+                    v.append(f"{where}.replicas[{e}]: every expert needs at least one replica")
+    for k, p in plan.recovery.items():
+        if not (str(k).isdigit() and 0.0 <= p <= 1.0):
+            v.append(f"recovery[{k}]: must map a failure count to a probability in [0, 1]")
+    return v
+
+
+def validate(plan: Plan) -> Plan:
+    problems = violations(plan)
+    if problems:
+        raise PlanError(problems)
+    return plan
