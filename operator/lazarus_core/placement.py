@@ -1,0 +1,133 @@
+"""Placement policies: which node slots hold the replicas of each expert.
+
+A placement of one layer is a list, per node position, of the expert ids in its slots.
+Positions follow ``topology.failure_domain_order``. All policies take the replica counts
+of every layer at once because MRO aligns layers (the model survives only if every layer
+does).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Placement = list[list[int]]  # node position -> expert ids, one per slot
+
+POLICIES = ("mro", "spread", "compact")
+
+
+def _check(replicas: Sequence[int], slots: Sequence[int]) -> None:
+    if sum(replicas) != sum(slots):
+        raise ValueError(f"replicas: {sum(replicas)} replicas for {sum(slots)} slots")
+
+
+def compact(replicas: Sequence[int], slots: Sequence[int]) -> Placement:
+    """Fill node by node, expert by expert: the baseline that keeps an expert together."""
+    _check(replicas, slots)
+    flat = [e for e, r in enumerate(replicas) for _ in range(r)]
+    placement, start = [], 0
+    for s in slots:
+        placement.append(flat[start:start + s])
+        start += s
+    return placement
+
+
+def spread(replicas: Sequence[int], slots: Sequence[int]) -> Placement:
+    """Deal replicas round-robin over nodes, so an expert's replicas land on distinct nodes."""
+    _check(replicas, slots)
+    placement: Placement = [[] for _ in slots]
+    node = 0
+    for e, r in enumerate(replicas):
+        for _ in range(r):
+            while len(placement[node]) == slots[node]:
+                node = (node + 1) % len(slots)
+            placement[node].append(e)
+            node = (node + 1) % len(slots)
+    return placement
+
+
+def nested_groups(layers: Sequence[Sequence[int]], slots: Sequence[int],
+                  num_groups: int) -> list[Placement]:
+    """MRO's construction: experts in popularity groups, each nested on its own node range.
+
+    Within a group, the least popular expert sits on the first r nodes of the range and
+    every more popular one on a longer prefix, so the group fails only when its smallest
+    node set fails. One node range per group, the same for every layer, so the layers'
+    failure sets coincide too. Replicas beyond a range go where they add a new node to the
+    expert (extending its set), else anywhere free.
+    """
+    num_experts = len(layers[0])
+    group_of = _popularity_groups(layers, num_groups)
+    ranges = _node_ranges(layers, slots, group_of, num_groups)
+    placements = []
+    for replicas in layers:
+        _check(replicas, slots)
+        placement: Placement = [[] for _ in slots]
+        left = list(replicas)
+        by_popularity = sorted(range(num_experts), key=lambda e: (replicas[e], e))
+        for e in by_popularity:
+            for node in ranges[group_of[e]][:replicas[e]]:
+                if len(placement[node]) < slots[node]:
+                    placement[node].append(e)
+                    left[e] -= 1
+        _place_leftovers(placement, slots, left, ranges, group_of)
+        placements.append(placement)
+    return placements
+
+
+def _popularity_groups(layers: Sequence[Sequence[int]], num_groups: int) -> list[int]:
+    """Group id per expert: consecutive runs of the model-wide popularity order."""
+    num_experts = len(layers[0])
+    total = [sum(layer[e] for layer in layers) for e in range(num_experts)]
+    order = sorted(range(num_experts), key=lambda e: (total[e], e))
+    group_of = [0] * num_experts
+    for i, e in enumerate(order):
+        group_of[e] = i * num_groups // num_experts
+    return group_of
+
+
+def _node_ranges(layers, slots, group_of, num_groups) -> list[list[int]]:
+    """Consecutive node positions per group, sized by the group's share of replicas."""
+    mass = [0] * num_groups
+    for layer in layers:
+        for e, r in enumerate(layer):
+            mass[group_of[e]] += r
+    n = len(slots)
+    sizes = _apportion(mass, n)
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append(list(range(start, start + size)))
+        start += size
+    return ranges
+
+
+def _apportion(weights: Sequence[int], total: int) -> list[int]:
+    """Split ``total`` into integer parts proportional to ``weights``, each at least 1."""
+    w = sum(weights) or 1
+    quotas = [total * x / w for x in weights]
+    parts = [max(1, int(q)) for q in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (parts[i] - quotas[i], i))
+    i = 0
+    while sum(parts) < total:
+        parts[by_remainder[i % len(parts)]] += 1
+        i += 1
+    while sum(parts) > total:
+        j = max(range(len(parts)), key=lambda i: (parts[i] - quotas[i], parts[i]))
+        parts[j] -= 1
+    return parts
+
+
+def _place_leftovers(placement: Placement, slots, left, ranges, group_of) -> None:
+    """Put each replica that did not fit its range where it widens its expert's node set."""
+    free = [s - len(p) for s, p in zip(slots, placement)]
+    n = len(slots)
+    for e in sorted(range(len(left)), key=lambda e: -left[e]):
+        home = ranges[group_of[e]]
+        # Prefer extending the nesting: nodes after the expert's range, in order.
+        after = list(range(home[-1] + 1, n)) + list(range(0, home[0])) if home else list(range(n))
+        while left[e] > 0:
+            target = next((i for i in after if free[i] and e not in placement[i]), None)
+            if target is None:
+                target = max(range(n), key=lambda i: (free[i], -i))
+            placement[target].append(e)
+            free[target] -= 1
+            left[e] -= 1
+    assert not any(free), "every slot must be filled when replicas == slots"

@@ -1,0 +1,138 @@
+"""`lazarus plan`: replica counts, placement and recovery probability for a configuration."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .placement import POLICIES
+from .plan import Plan
+from .recovery import zone_survival
+from .solver import plan_job
+from .topology import NodeSpec
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="place experts and report recovery probability")
+    p.add_argument("--nodes", type=int, required=True, help="failure domains N")
+    p.add_argument("--slots", type=int, required=True, help="expert slots per node c")
+    p.add_argument("--experts", type=int, required=True, help="experts per MoE layer E")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--min-replicas", type=int, default=2, help="fault-tolerance threshold f")
+    p.add_argument("--policy", choices=POLICIES, default="mro",
+                   help="policy for --json output (the table shows all three)")
+    p.add_argument("--loads", default="zipf:0",
+                   help="zipf:S (expert i gets load 1/(i+1)^S) or a JSON file: a list of "
+                        "per-expert loads, or one such list per layer")
+    p.add_argument("--failures", type=int, default=None,
+                   help="report k = 1..K failed nodes (default: up to 5)")
+    p.add_argument("--zones", default="1",
+                   help="a zone count (nodes dealt round-robin) or one zone name per node, "
+                        "comma-separated")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    for name in ("nodes", "slots", "experts", "layers", "min_replicas"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.failures is None:
+        args.failures = min(5, args.nodes)
+    if not 0 <= args.failures <= args.nodes:
+        raise ValueError(f"--failures: must be in 0..{args.nodes}, got {args.failures}")
+    nodes = [NodeSpec(f"node-{i}", 1, args.slots, zone=z)
+             for i, z in enumerate(parse_zones(args.zones, args.nodes))]
+    loads = parse_loads(args.loads, args.experts, args.layers)
+    plans = {policy: plan_job(nodes, args.experts, args.layers, args.min_replicas, policy,
+                              loads=loads, max_failures=args.failures)
+             for policy in POLICIES}
+    if args.json:
+        print(json.dumps(plan_summary(plans[args.policy]), sort_keys=True))
+    else:
+        print(render_table(plans, args.failures))
+    return 0
+
+
+def parse_zones(spec: str, num_nodes: int) -> list[str]:
+    if spec.isdigit():
+        count = int(spec)
+        if count < 1:
+            raise ValueError(f"--zones: must be >= 1, got {count}")
+        return [f"zone-{i % count}" for i in range(num_nodes)]
+    names = [z.strip() for z in spec.split(",")]
+    if len(names) != num_nodes or not all(names):
+        raise ValueError(f"--zones: give a count or exactly {num_nodes} zone names, "
+                         f"got {len(names)}")
+    return names
+
+
+def parse_loads(spec: str, experts: int, layers: int) -> list[list[float]]:
+    if spec.startswith("zipf:"):
+        try:
+            s = float(spec[5:])
+        except ValueError:
+            raise ValueError(f"--loads: zipf skew must be a number, got {spec[5:]!r}") from None
+        if s < 0:
+            raise ValueError(f"--loads: zipf skew must be >= 0, got {s}")
+        return [[1.0 / (i + 1) ** s for i in range(experts)]] * layers
+    try:
+        data = json.loads(Path(spec).read_text())
+    except OSError as e:
+        raise ValueError(f"--loads: cannot read {spec}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--loads: {spec} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(data, list) and all(isinstance(x, (int, float)) for x in data):
+        data = [data] * layers
+    if (not isinstance(data, list) or len(data) != layers
+            or not all(isinstance(l, list) and len(l) == experts
+                       and all(isinstance(x, (int, float)) and x >= 0 for x in l) for l in data)):
+        raise ValueError(f"--loads: {spec} must hold {experts} non-negative numbers, "
+                         f"or {layers} such lists (one per layer)")
+    return data
+
+
+def plan_summary(plan: Plan) -> dict:
+    node_index = {n.name: i for i, n in enumerate(plan.nodes)}
+    layers = [[list(s) for s in layer.placement] for layer in plan.layers]
+    return {
+        "nodes": len(plan.nodes),
+        "slots": plan.nodes[0].slots,
+        "experts": plan.experts,
+        "layers": len(plan.layers),
+        "min_replicas": plan.min_replicas,
+        "policy": plan.policy,
+        "replicas": [list(layer.replicas) for layer in plan.layers],
+        "placement": layers,
+        "node_names": list(node_index),
+        "recovery": plan.recovery,
+        "zone_survival": zone_survival(layers, [n.zone for n in plan.nodes]),
+    }
+
+
+def nodes_per_expert(plan: Plan, layer: int = 0) -> list[int]:
+    return [sum(e in slots for slots in plan.layers[layer].placement)
+            for e in range(plan.experts)]
+
+
+def render_table(plans: dict[str, Plan], failures: int) -> str:
+    first = next(iter(plans.values()))
+    lines = [f"{len(first.nodes)} nodes x {first.nodes[0].slots} slots, {first.experts} experts, "
+             f"{len(first.layers)} layer(s), min replicas {first.min_replicas}", ""]
+    lines.append("expert  replicas  " + "  ".join(f"nodes({p})" for p in plans))
+    per_policy = {p: nodes_per_expert(plan) for p, plan in plans.items()}
+    for e in range(first.experts):
+        cells = "  ".join(f"{per_policy[p][e]:>{len(p) + 7}}" for p in plans)
+        lines.append(f"{e:>6}  {first.layers[0].replicas[e]:>8}  {cells}")
+    lines += ["", "recovery probability (whole model) with k failed nodes",
+              "k   " + "  ".join(f"{p:>8}" for p in plans)]
+    for k in range(1, failures + 1):
+        lines.append(f"{k:<3} " + "  ".join(f"{plan.recovery[str(k)]:>8.3f}"
+                                            for plan in plans.values()))
+    zones = {p: zone_survival([[list(s) for s in l.placement] for l in plan.layers],
+                              [n.zone for n in plan.nodes]) for p, plan in plans.items()}
+    if len(next(iter(zones.values()))) > 1:
+        lines.append("zone  " + "  ".join(f"{p:>8}" for p in plans))
+        for z in sorted(next(iter(zones.values()))):
+            lines.append(f"{z:<5} " + "  ".join(
+                f"{'survives' if zones[p][z] else 'LOST':>8}" for p in plans))
+    return "\n".join(lines)
