@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The local Kubernetes cluster the tests run against, without Docker: a real etcd,
+# kube-apiserver, kube-controller-manager and kube-scheduler (from build-control-plane.sh), with
+# RBAC and admission on, run by `kwokctl --runtime binary`. kwok simulates the nodes of
+# hack/nodepools.yaml and the status of the pods bound to them.
+#
+#   hack/cluster.sh up          start the cluster, or reuse it if it is running; prints the
+#                               kubeconfig path on stdout (its state lives under $LAZARUS_CACHE)
+#   hack/cluster.sh down        stop the cluster and delete its state
+#   hack/cluster.sh status      exit 0 if the cluster is up and serving
+#   hack/cluster.sh kubeconfig  print the kubeconfig path
+#   hack/cluster.sh logs        print the directory holding the components' logs
+#
+# LAZARUS_CLUSTER_NAME (default: lazarus) selects the cluster, so a test can run its own.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+source "$LAZARUS_ROOT/hack/control-plane-versions.sh"
+
+name=${LAZARUS_CLUSTER_NAME:-lazarus}
+# kwokctl keeps clusters under ~/.kwok by default; keep ours with the rest of the cache.
+export KWOK_WORKDIR="$LAZARUS_CACHE/kwok"
+# kwokctl would download kubectl for its own use; give it ours.
+export KWOK_KUBECTL_BINARY="$KUBE_BIN_DIR/kubectl"
+cluster_dir="$KWOK_WORKDIR/clusters/$name"
+kubeconfig="$cluster_dir/kubeconfig.yaml"
+kwokctl="$KWOK_BIN_DIR/kwokctl"
+kubectl=("$KUBE_BIN_DIR/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s)
+
+healthy() { [ -f "$kubeconfig" ] && "${kubectl[@]}" get --raw /readyz >/dev/null 2>&1; }
+
+create() {
+  # --kubeconfig "" keeps kwokctl away from ~/.kube/config; ours is $kubeconfig.
+  "$kwokctl" create cluster --name "$name" --runtime binary \
+    --kube-apiserver-binary "$KUBE_BIN_DIR/kube-apiserver" \
+    --kube-controller-manager-binary "$KUBE_BIN_DIR/kube-controller-manager" \
+    --kube-scheduler-binary "$KUBE_BIN_DIR/kube-scheduler" \
+    --etcd-binary "$ETCD_BIN_DIR/etcd" \
+    --kwok-controller-binary "$KWOK_BIN_DIR/kwok" \
+    --kube-authorization --kube-admission \
+    --config "$LAZARUS_ROOT/hack/kwok-stages.yaml" \
+    --kubeconfig "" --wait 2m --timeout 3m
+}
+
+up() {
+  "$LAZARUS_ROOT/hack/build-control-plane.sh"
+  local start=$SECONDS
+  if healthy; then
+    log "reusing the running cluster $name"
+  elif [ -d "$cluster_dir" ]; then
+    log "starting the stopped cluster $name"
+    if ! "$kwokctl" start cluster --name "$name" --timeout 2m || ! healthy; then
+      log "it did not come back; recreating it"
+      "$kwokctl" delete cluster --name "$name"
+      create
+    fi
+  else
+    log "creating the cluster $name (kwokctl --runtime binary, Kubernetes v$KUBE_VERSION)"
+    create
+  fi
+  local venv
+  venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
+  PYTHONPATH="$LAZARUS_ROOT/tests" "$venv/bin/python" -m testcluster.nodepools apply --kubeconfig "$kubeconfig"
+  "${kubectl[@]}" wait node --selector lazarus.dev/pool --for condition=Ready --timeout 60s >/dev/null \
+    || die "the simulated nodes did not become Ready in 60 s; see the logs in $cluster_dir/logs"
+  log "cluster $name ready in $((SECONDS - start)) s; export KUBECONFIG=$kubeconfig"
+  echo "$kubeconfig"
+}
+
+case "${1:-}" in
+  up) up ;;
+  down)
+    if [ -d "$cluster_dir" ]; then
+      "$kwokctl" delete cluster --name "$name"
+      log "cluster $name deleted"
+    fi
+    ;;
+  status) healthy ;;
+  kubeconfig) echo "$kubeconfig" ;;
+  logs) echo "$cluster_dir/logs" ;;
+  *) die "usage: hack/cluster.sh up|down|status|kubeconfig|logs" ;;
+esac

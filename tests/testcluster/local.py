@@ -1,0 +1,46 @@
+"""The local kwok cluster of hack/cluster.sh, driven from Python."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SCRIPT = REPO / "hack" / "cluster.sh"
+# A cold build of the control plane takes 10-25 minutes on 2 cores; a warm start seconds.
+UP_TIMEOUT_S = 45 * 60
+DOWN_TIMEOUT_S = 120
+
+
+def _run(command: str, *, name: str | None, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if name:
+        env["LAZARUS_CLUSTER_NAME"] = name
+    try:
+        return subprocess.run(
+            [str(CLUSTER_SCRIPT), command], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"hack/cluster.sh {command} did not finish in {timeout:g} s:\n{e.stderr}") from None
+
+
+def up(name: str | None = None) -> tuple[Path, str]:
+    """Start (or reuse) the local cluster. Returns its kubeconfig and the script's log."""
+    result = _run("up", name=name, timeout=UP_TIMEOUT_S)
+    if result.returncode != 0:
+        raise RuntimeError(f"hack/cluster.sh up failed (exit {result.returncode}):\n{result.stderr}")
+    return Path(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def down(name: str | None = None) -> None:
+    result = _run("down", name=name, timeout=DOWN_TIMEOUT_S)
+    if result.returncode != 0:
+        raise RuntimeError(f"hack/cluster.sh down failed (exit {result.returncode}):\n{result.stderr}")
+
+
+def is_running(name: str | None = None) -> bool:
+    return _run("status", name=name, timeout=30).returncode == 0
+
+
+def logs_dir(name: str | None = None) -> Path:
+    return Path(_run("logs", name=name, timeout=30).stdout.strip())
