@@ -1,0 +1,105 @@
+"""The few collectives a training step uses, over one process group, with bounded waits.
+
+Every collective is issued asynchronously and waited on in short slices. Between slices the
+``interrupted`` hook is asked whether a new plan generation has arrived, so a survivor
+blocked on a dead or frozen peer leaves the step instead of hanging (design.md, "Failure
+handling"). The caller then aborts and rebuilds the group; this module never creates groups.
+
+With ``world_size == 1`` and no group every operation is the identity, so the same engine
+code runs a single process without ``torch.distributed``.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveInterrupted(RuntimeError):
+    """A new plan generation arrived while this rank waited on a collective."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not finish within the bound: a peer is gone or frozen."""
+
+
+class Collectives:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
+                 timeout_s: float = 60.0, interrupted: Callable[[], bool] = lambda: False,
+                 poll_s: float = 0.05):
+        assert (group is None) == (world_size == 1), "a group is needed exactly when W > 1"
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.interrupted = interrupted
+        self.poll_s = poll_s
+
+    @classmethod
+    def single(cls) -> "Collectives":
+        return cls(None, 0, 1)
+
+    def wait(self, work) -> None:
+        """Wait for ``work`` in slices of ``poll_s``, checking the interrupt between slices."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.poll_s))
+                return
+            except RuntimeError as e:
+                # gloo reports an expired slice as a timeout on a still-pending work item;
+                # anything else (a peer closing its connection) is a real failure.
+                if work.is_completed() or "timed out" not in str(e).lower():
+                    raise
+            if self.interrupted():
+                raise CollectiveInterrupted("a new plan generation interrupted a collective")
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(f"a collective did not finish in {self.timeout_s:.0f} s")
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(W, *x.shape): every rank's ``x``, in rank order."""
+        if self.world_size == 1:
+            return x.unsqueeze(0).clone()
+        out = x.new_empty((self.world_size, *x.shape))
+        self.wait(dist.all_gather_into_tensor(out, x.contiguous(), group=self.group,
+                                              async_op=True))
+        return out
+
+    def all_reduce_sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over ranks in place; every rank ends with the same bits."""
+        if self.world_size > 1:
+            self.wait(dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        return x
+
+    def all_to_all(self, x: torch.Tensor, out_splits: Sequence[int],
+                   in_splits: Sequence[int]) -> torch.Tensor:
+        """Uneven all-to-all of rows: ``in_splits[j]`` rows go to rank j, ``out_splits[j]``
+        rows come from it. Not differentiable; see ``all_to_all_autograd``."""
+        if self.world_size == 1:
+            assert list(out_splits) == list(in_splits)
+            return x.clone()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.wait(dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits),
+                                         group=self.group, async_op=True))
+        return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """The gradient of an all-to-all is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Collectives, out_splits, in_splits):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        return comm.all_to_all(x, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_to_all(grad, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def all_to_all_autograd(comm: Collectives, x: torch.Tensor, out_splits: Sequence[int],
+                        in_splits: Sequence[int]) -> torch.Tensor:
+    return _AllToAll.apply(x, comm, tuple(out_splits), tuple(in_splits))

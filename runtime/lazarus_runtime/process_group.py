@@ -1,0 +1,37 @@
+"""Joining and leaving the process group of one plan generation.
+
+The rendezvous store is owned by something that outlives workers (the controller, or the
+parent process in local mode); each generation's group is scoped under its own prefix of
+that store, so a new generation never meets keys left by the previous one. One group per
+generation, created once: routing and gradient sums need no other.
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from .collectives import Collectives
+
+
+def join_generation(store: dist.Store, generation: int, rank: int, world_size: int,
+                    timeout_s: float = 60.0,
+                    interrupted: Callable[[], bool] = lambda: False) -> Collectives:
+    """Initialise the default gloo group for ``generation`` and wrap it for a training step."""
+    if world_size == 1:
+        return Collectives.single()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"lazarus/gen{generation}", store),
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return Collectives(dist.group.WORLD, rank, world_size, timeout_s, interrupted)
+
+
+def leave_generation(comm: Collectives, failed: bool = False) -> None:
+    """Tear the generation's group down; ``failed`` first aborts work a dead or frozen peer
+    would never complete."""
+    if comm.group is None:
+        return
+    if failed:
+        comm.group.abort()
+    dist.destroy_process_group()
