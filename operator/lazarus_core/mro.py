@@ -24,13 +24,11 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement
     num_experts = len(layers[0])
     min_slots = min(slots)
     if num_experts <= min_slots:
-        return nested_groups(layers, slots, 1)
+        return nested_groups(layers, slots, [num_experts])
 
-    first = math.ceil(num_experts / min_slots)
-    candidates = [
-        nested_groups(layers, slots, g)
-        for g in range(first, min(first + 2, len(slots)) + 1)
-    ]
+    candidates = [nested_groups(layers, slots, sizes, nested)
+                  for sizes in _group_sizes(num_experts, min_slots, len(slots))
+                  for nested in range(1, len(sizes) + 1)]
     baselines = [[spread(r, slots) for r in layers], [compact(r, slots) for r in layers]]
     ks = range(1, min(_SCORED_FAILURES, len(slots) - 1) + 1)
 
@@ -46,3 +44,23 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement
     safe = [entry for entry in scored if dominates_baselines(entry[0])] or scored
     best = max(safe, key=lambda entry: (entry[0], -entry[1]))
     return best[2]
+
+
+def _group_sizes(num_experts: int, per_node: int, num_nodes: int) -> list[list[int]]:
+    """Ways to cut the popularity order into groups that each fit on one node.
+
+    Full groups of the least popular experts (so the most fragile experts share one core),
+    and even splits into the fewest groups and a couple more (so no group's node range is
+    starved).
+    """
+    fewest = math.ceil(num_experts / per_node)
+    full = [per_node] * (num_experts // per_node)
+    if num_experts % per_node:
+        full.append(num_experts % per_node)
+    ways = [full]
+    for groups in range(fewest, min(fewest + 2, num_nodes, num_experts) + 1):
+        even = [num_experts // groups + (i < num_experts % groups) for i in range(groups)]
+        even.reverse()  # the larger groups take the least popular experts
+        if even not in ways:
+            ways.append(even)
+    return ways

@@ -45,26 +45,37 @@ def spread(replicas: Sequence[int], slots: Sequence[int]) -> Placement:
 
 
 def nested_groups(layers: Sequence[Sequence[int]], slots: Sequence[int],
-                  num_groups: int) -> list[Placement]:
+                  group_sizes: Sequence[int], nested: int | None = None) -> list[Placement]:
     """MRO's construction: experts in popularity groups, each nested on its own node range.
 
     Within a group, the least popular expert sits on the first r nodes of the range and
     every more popular one on a longer prefix, so the group fails only when its smallest
     node set fails. One node range per group, the same for every layer, so the layers'
-    failure sets coincide too. Replicas beyond a range go where they add a new node to the
-    expert (extending its set), else anywhere free.
+    failure sets coincide too. Only the first ``nested`` groups (default: all) are nested;
+    the experts of the others share their ranges round-robin, which is better when a range
+    is too short for the replicas it would have to nest. Replicas that do not fit go where
+    they add a new node to the expert, else anywhere free.
     """
     num_experts = len(layers[0])
-    group_of = _popularity_groups(layers, num_groups)
-    ranges = _node_ranges(layers, slots, group_of, num_groups)
+    nested = len(group_sizes) if nested is None else nested
+    group_of = _popularity_groups(layers, group_sizes)
+    ranges = _node_ranges(layers, slots, group_of, len(group_sizes))
+    shared = [node for r in ranges[nested:] for node in r]
     placements = []
     for replicas in layers:
         _check(replicas, slots)
         placement: Placement = [[] for _ in slots]
         left = list(replicas)
         by_popularity = sorted(range(num_experts), key=lambda e: (replicas[e], e))
+        cursor = 0
         for e in by_popularity:
-            for node in ranges[group_of[e]][:replicas[e]]:
+            if group_of[e] < nested:
+                targets = ranges[group_of[e]][:replicas[e]]
+            else:  # deal round-robin over the shared ranges, like spread
+                targets = [shared[(cursor + i) % len(shared)]
+                           for i in range(min(replicas[e], len(shared)))]
+                cursor += len(targets)
+            for node in targets:
                 if len(placement[node]) < slots[node]:
                     placement[node].append(e)
                     left[e] -= 1
@@ -73,14 +84,18 @@ def nested_groups(layers: Sequence[Sequence[int]], slots: Sequence[int],
     return placements
 
 
-def _popularity_groups(layers: Sequence[Sequence[int]], num_groups: int) -> list[int]:
+def _popularity_groups(layers: Sequence[Sequence[int]], group_sizes: Sequence[int]) -> list[int]:
     """Group id per expert: consecutive runs of the model-wide popularity order."""
     num_experts = len(layers[0])
+    assert sum(group_sizes) == num_experts
     total = [sum(layer[e] for layer in layers) for e in range(num_experts)]
     order = sorted(range(num_experts), key=lambda e: (total[e], e))
     group_of = [0] * num_experts
-    for i, e in enumerate(order):
-        group_of[e] = i * num_groups // num_experts
+    start = 0
+    for g, size in enumerate(group_sizes):
+        for e in order[start:start + size]:
+            group_of[e] = g
+        start += size
     return group_of
 
 

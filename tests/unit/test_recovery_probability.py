@@ -1,0 +1,70 @@
+import math
+from itertools import combinations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from lazarus_core import recovery
+from lazarus_core.recovery import minimal_sets, recovery_probability, zone_survival
+
+
+def _brute_force(layers, k):
+    n = len(layers[0])
+    alive = 0
+    for failed in combinations(range(n), k):
+        ok = all(any(i not in failed for i, p in enumerate(layer) if e in p)
+                 for layer in layers for e in {e for p in layer for e in p})
+        alive += ok
+    return alive / math.comb(n, k)
+
+
+placements = st.integers(2, 7).flatmap(lambda n: st.lists(
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), min_size=n, max_size=n),
+    min_size=1, max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements, st.integers(0, 7))
+def test_exact_recovery_matches_brute_force(layers, k):
+    k = min(k, len(layers[0]))
+    got = recovery_probability(layers, k)
+    assert got.exact
+    assert got.probability == pytest.approx(_brute_force(layers, k))
+
+
+def test_enumeration_fallback_matches_inclusion_exclusion(monkeypatch):
+    layers = [[[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3], [0, 1], [2, 3]]]
+    exact = recovery_probability(layers, 4).probability
+    monkeypatch.setattr(recovery, "_INCLUSION_EXCLUSION_BUDGET", 0)
+    assert recovery_probability(layers, 4).probability == pytest.approx(exact)
+
+
+def test_monte_carlo_states_a_confidence_interval_that_holds(monkeypatch):
+    layers = [[[e % 7, (e * 3) % 7] for e in range(14)]]
+    exact = recovery_probability(layers, 3).probability
+    monkeypatch.setattr(recovery, "_INCLUSION_EXCLUSION_BUDGET", 0)
+    monkeypatch.setattr(recovery, "_ENUMERATION_LIMIT", 0)
+    estimate = recovery_probability(layers, 3)
+    assert not estimate.exact and 0 < estimate.half_width < 0.02
+    assert abs(estimate.probability - exact) <= estimate.half_width
+
+
+def test_large_clusters_stay_exact_under_mro_structure():
+    # 128 nodes, k = 5: C(128, 5) = 2.6e8 failed sets, but few minimal sets.
+    # Experts 0-1 nest on nodes {0, 1}, experts 2-3 on {2, 3}; the rest only add width.
+    layers = [[[0, 1] if i < 2 else [2, 3] if i < 4 else [4, 5] for i in range(128)]]
+    got = recovery_probability(layers, 5)
+    assert got.exact
+    fail = 2 * math.comb(126, 3) - math.comb(124, 1)  # either pair, minus both
+    assert got.probability == pytest.approx(1 - fail / math.comb(128, 5))
+
+
+def test_only_minimal_sets_are_kept():
+    assert minimal_sets([0b011, 0b111, 0b100, 0b110]) == [0b100, 0b011]
+
+
+def test_zone_loss_is_fatal_only_when_an_expert_lives_in_one_zone():
+    layer = [[0, 0], [1, 1], [0, 0], [1, 1]]  # expert 0 on nodes {0, 2}, expert 1 on {1, 3}
+    assert zone_survival([layer], ["a", "b", "b", "a"]) == {"a": True, "b": True}
+    assert zone_survival([layer], ["a", "b", "a", "b"]) == {"a": False, "b": False}
+    assert zone_survival([layer], ["a", "b", "a", "c"]) == {"a": False, "b": True, "c": True}
