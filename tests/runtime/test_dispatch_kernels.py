@@ -56,7 +56,8 @@ def make_bucket_ids(num_tokens: int, top_k: int, num_buckets: int, device: str) 
 
 
 def make_rows(num_tokens: int, top_k: int, num_buckets: int, device: str) -> torch.Tensor:
-    return bucket_positions_reference(make_bucket_ids(num_tokens, top_k, num_buckets, "cpu"), num_buckets)[0].to(device)
+    ids_TK = make_bucket_ids(num_tokens, top_k, num_buckets, "cpu")
+    return bucket_positions_reference(ids_TK, num_buckets)[0].to(device)
 
 
 def randn(*shape: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:

@@ -31,6 +31,9 @@ class UnpermuteFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
         y_PD, rows_TK, weights_TK = ctx.saved_tensors
-        grad_y = scatter_triton(grad_TD, rows_TK, weights_TK) if ctx.needs_input_grad[0] else None
-        grad_weights = weight_grad_triton(grad_TD, y_PD, rows_TK, weights_TK.dtype) if ctx.needs_input_grad[2] else None
+        grad_y = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_y = scatter_triton(grad_TD, rows_TK, weights_TK)
+        if ctx.needs_input_grad[2]:
+            grad_weights = weight_grad_triton(grad_TD, y_PD, rows_TK, weights_TK.dtype)
         return grad_y, None, grad_weights

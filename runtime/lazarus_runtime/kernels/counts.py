@@ -78,8 +78,9 @@ def bucket_positions_triton(bucket_ids_TK: torch.Tensor, num_buckets: int) -> tu
     ids_P = bucket_ids_TK.contiguous().view(-1)
     counts_NB = _launch_counts(ids_P, num_buckets, per_block=True, block=SLOT_BLOCK)
     counts_B = counts_NB.sum(0, dtype=torch.int32)
-    # The table is N x B, tiny next to the assignments, and torch's cumsum is already one
-    # device kernel: a Triton scan would add code without saving a launch.
+    # Prefix sums over the N x B table (P / SLOT_BLOCK rows, so small for the few thousand
+    # buckets a dispatcher uses) are one torch cumsum kernel each; a Triton scan would only
+    # add code.
     bucket_starts_B = torch.cumsum(counts_B, 0, dtype=torch.int32) - counts_B
     block_starts_NB = bucket_starts_B + torch.cumsum(counts_NB, 0, dtype=torch.int32) - counts_NB
     rows_P = torch.empty_like(ids_P)

@@ -1,4 +1,4 @@
-"""The public token-dispatch ops: validate once, then run the kernels or the torch reference.
+"""The public token-dispatch ops: range-check the indices, then run the kernels or the torch reference.
 
 Legend: T tokens, K top-k, D hidden size, B buckets, P = T*K permuted rows.
 """

@@ -86,5 +86,7 @@ def permute_reference(x_TD: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor
     check_index_TK("rows_TK", rows_TK)
     num_tokens, top_k = rows_TK.shape
     check_float_2d("x_TD", x_TD, num_tokens, rows_TK)
-    x_PD = x_TD.repeat_interleave(top_k, dim=0)  # row t*K + k is x[t]
-    return torch.zeros_like(x_PD).index_copy(0, rows_TK.reshape(-1), x_PD)
+    rows_P = rows_TK.reshape(-1)
+    token_P = torch.empty_like(rows_P)  # which token each permuted row copies
+    token_P[rows_P] = torch.arange(rows_P.numel(), device=rows_P.device) // top_k
+    return x_TD[token_P]
