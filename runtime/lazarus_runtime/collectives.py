@@ -63,10 +63,11 @@ class Collectives:
         """(W, *x.shape): every rank's ``x``, in rank order."""
         if self.world_size == 1:
             return x.unsqueeze(0).clone()
-        out = x.new_empty((self.world_size, *x.shape))
-        self.wait(dist.all_gather_into_tensor(out, x.contiguous(), group=self.group,
+        # gloo wants the output flat: W copies of x back to back.
+        out = x.new_empty(self.world_size * x.numel())
+        self.wait(dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=self.group,
                                               async_op=True))
-        return out
+        return out.view(self.world_size, *x.shape)
 
     def all_reduce_sum_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over ranks in place; every rank ends with the same bits."""
