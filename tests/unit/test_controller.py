@@ -1,0 +1,256 @@
+"""The job state machine: generations, failures, notices, growth, rebalancing, restores."""
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lazarus_core import controller as c
+from lazarus_core.job_spec import parse_spec
+from lazarus_core.plan import violations
+from lazarus_core.topology import NodeSpec
+
+T0 = 1_000.0
+
+
+def job(**overrides):
+    base = {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 6,
+            "gpusPerNode": 1, "slotsPerGpu": 4, "minReplicas": 2,
+            "checkpoint": {"path": "/ckpt", "everySteps": 10}}
+    base.update(overrides)
+    return parse_spec(base)
+
+
+def nodes(*names, zone="a", capacity="spot", slots=4):
+    return tuple(NodeSpec(n, 1, slots, zone, capacity) for n in names)
+
+
+def started(spec=None, names=("n0", "n1", "n2", "n3")):
+    spec = spec or job(replicas=len(names), maxNodes=max(len(names), 4))
+    state = c.new_job(spec, c.Settings(start_grace_s=0))
+    out = c.handle(state, c.NodesJoined(nodes(*names)), T0)
+    assert _published(out).plan.generation == 1
+    return out.state
+
+
+def _published(out):
+    plans = [d for d in out.decisions if isinstance(d, c.PublishPlan)]
+    assert len(plans) == 1, out.decisions
+    return plans[0]
+
+
+def _kinds(out):
+    return [type(d).__name__ for d in out.decisions]
+
+
+def test_first_plan_waits_for_the_target_then_starts_after_the_grace():
+    state = c.new_job(job(replicas=4))  # f=2 needs 2 nodes of 4 slots
+    out = c.handle(state, c.NodesJoined(nodes("n0")), T0)
+    assert _kinds(out) == ["Wait"] and out.retry_at is None  # fewer than minNodes: no deadline
+    out = c.handle(out.state, c.NodesJoined(nodes("n1", "n2", "n3")[:2]), T0 + 1)
+    assert _kinds(out) == ["Wait"] and out.retry_at == T0 + 1 + 10
+    assert c.handle(out.state, c.Tick(), T0 + 5).decisions[0].reason == "WaitingForNodes"
+    out = c.handle(out.state, c.Tick(), T0 + 11)
+    plan = _published(out).plan
+    assert (plan.generation, plan.reason, len(plan.nodes)) == (1, "Initial", 4 - 1)
+
+
+def test_a_lost_node_gives_a_new_generation_without_it_at_once():
+    state = c.handle(started(), c.Progress(step=5, generation=1), T0).state
+    out = c.handle(state, c.NodesLost(("n2",)), T0 + 1)
+    pub = _published(out)
+    assert pub.plan.generation == 2 and pub.plan.reason == "NodeLost"
+    assert "n2" not in {n.name for n in pub.plan.nodes}
+    assert pub.migration.recoverable
+    assert not violations(pub.plan)
+    assert out.state.step == 5
+
+
+def test_losing_a_node_outside_the_plan_publishes_nothing():
+    state = started(job(replicas=2, maxNodes=4), names=("n0", "n1"))
+    state = c.handle(state, c.NodesJoined(nodes("spare")), T0).state  # beyond the target
+    assert c.handle(state, c.NodesLost(("spare",)), T0).decisions == ()
+
+
+def test_spot_notice_replans_off_the_node_while_it_can_still_send():
+    state = c.handle(started(), c.Progress(step=3, generation=1), T0).state
+    out = c.handle(state, c.SpotNotice(("n1",)), T0 + 1)
+    pub = _published(out)
+    assert pub.plan.reason == "SpotNotice"
+    assert "n1" not in {n.name for n in pub.plan.nodes}
+    # The doomed node is still alive, so it is a source and nothing is lost.
+    assert pub.migration.recoverable
+    assert out.state.draining == {"n1"}
+    # Its worker is released once the workers report a step of the new generation.
+    out = c.handle(out.state, c.Progress(step=4, generation=2), T0 + 2)
+    assert c.ReleaseWorkers(("n1",)) in out.decisions
+
+
+def test_two_nodes_lost_at_once_is_recoverable_for_some_pairs_under_mro():
+    # Skewed load: the three cold experts get exactly f=2 replicas, the hot one six.
+    spec = job(replicas=6, maxNodes=6, slotsPerGpu=2)
+    state = dataclasses.replace(c.new_job(spec, c.Settings(start_grace_s=0)),
+                                loads=((1, 1, 1, 9), (1, 1, 1, 9)))
+    state = c.handle(state, c.NodesJoined(nodes(*[f"n{i}" for i in range(6)], slots=2)), T0).state
+    assert state.plan.layers[0].replicas == (2, 2, 2, 6)
+    names = [n.name for n in state.plan.nodes]
+    restores = {(a, b): any(isinstance(d, c.RestoreCheckpoint)
+                            for d in c.handle(state, c.NodesLost((a, b)), T0).decisions)
+                for i, a in enumerate(names) for b in names[i + 1:]}
+    # MRO nests replicas so that few pairs are fatal; the model-level recovery probability
+    # for k=2 is exactly the share of pairs that need no restore.
+    share = sum(not r for r in restores.values()) / len(restores)
+    assert 0 < share < 1
+    assert abs(share - state.plan.recovery["2"]) < 1e-9
+
+
+def test_unrecoverable_loss_restores_the_checkpoint():
+    # compact placement puts both replicas of expert 0 on the first node(s): lose them all.
+    state = started(job(placement="compact", replicas=4, maxNodes=4))
+    state = c.handle(state, c.Progress(step=23, generation=1, checkpoint_step=20), T0).state
+    holders = [n.name for i, n in enumerate(state.plan.nodes)
+               if 0 in state.plan.layers[0].placement[i]]
+    out = c.handle(state, c.NodesLost(tuple(holders)), T0 + 1)
+    restore = [d for d in out.decisions if isinstance(d, c.RestoreCheckpoint)]
+    assert restore and restore[0].step == 20 and (0, 0) in restore[0].lost
+    assert out.state.step == 20 and out.state.restores == 1
+    conds = {x["type"]: x for x in c.conditions(out.state, [], "t")}
+    assert conds["CheckpointRestored"]["status"] == "True"
+    assert conds["CheckpointRestored"]["reason"] == "ExpertsLost"
+
+
+def test_growth_waits_for_a_step_boundary_while_training():
+    state = started(job(replicas=6, maxNodes=6), names=("n0", "n1", "n2", "n3"))
+    state = c.handle(state, c.Progress(step=1, generation=1), T0).state
+    out = c.handle(state, c.NodesJoined(nodes("n4", "n5")), T0 + 1)
+    assert out.decisions == () and out.state.pending == "NodeJoined"
+    out = c.handle(out.state, c.Progress(step=2, generation=1), T0 + 2)
+    pub = _published(out)
+    assert pub.plan.reason == "NodeJoined" and len(pub.plan.nodes) == 6
+
+
+def test_growth_stops_at_the_target():
+    state = started(job(replicas=4, maxNodes=6), names=("n0", "n1", "n2", "n3"))
+    out = c.handle(state, c.NodesJoined(nodes("n4")), T0)
+    assert out.decisions == ()
+    # kubectl scale: the target rises, the spare node is taken at once (not training yet).
+    out = c.handle(out.state, c.SpecChanged(job(replicas=5, maxNodes=6)), T0)
+    assert len(_published(out).plan.nodes) == 5
+
+
+def test_scale_down_drops_spot_nodes_first_and_releases_their_workers():
+    spec = job(replicas=4, maxNodes=4)
+    state = c.new_job(spec)
+    joined = nodes("s0", "s1") + nodes("d0", "d1", capacity="on-demand")
+    state = c.handle(state, c.NodesJoined(joined), T0).state
+    out = c.handle(state, c.SpecChanged(job(replicas=2, maxNodes=4)), T0)
+    pub = _published(out)
+    assert {n.name for n in pub.plan.nodes} == {"d0", "d1"}
+    assert c.ReleaseWorkers(("s0", "s1")) in out.decisions
+
+
+def test_rebalance_only_when_the_gain_is_worth_it():
+    spec = job(replicas=4, maxNodes=4, rebalanceEverySteps=10, rebalanceMinGainPercent=10)
+    state = started(spec)
+    skewed = ((100, 10, 10, 10), (10, 10, 10, 100))
+    out = c.handle(state, c.Progress(step=5, generation=1, loads=skewed), T0)
+    assert out.decisions == ()  # not due yet
+    out = c.handle(out.state, c.Progress(step=10, generation=1, loads=skewed), T0)
+    pub = _published(out)
+    assert pub.plan.reason == "Rebalance"
+    assert pub.plan.layers[0].replicas[0] > pub.plan.layers[0].replicas[1]
+    # The plan now matches the loads: nothing more to gain.
+    assert c.handle(out.state, c.RebalanceDue(), T0).decisions == ()
+    even = ((10, 10, 10, 10), (10, 10, 10, 10))
+    assert c.handle(dataclasses.replace(state, loads=even), c.RebalanceDue(), T0).decisions == ()
+
+
+def test_too_few_nodes_waits_then_resumes_with_a_restore_if_needed():
+    state = started(job(replicas=4, maxNodes=4, minNodes=4))  # minNodes: no fewer than 4
+    out = c.handle(state, c.NodesLost(("n0",)), T0)
+    assert _kinds(out) == ["Wait"] and out.state.stale
+    assert c.conditions(out.state, [], "t")[0]["status"] == "False"
+    out = c.handle(out.state, c.NodesJoined(nodes("n9")), T0 + 1)
+    pub = _published(out)
+    assert pub.plan.generation == 2 and "n0" not in {n.name for n in pub.plan.nodes}
+
+
+def test_immutable_fields_cannot_change():
+    import pytest
+    from lazarus_core.job_spec import SpecError
+    with pytest.raises(SpecError) as e:
+        c.handle(started(), c.SpecChanged(job(slotsPerGpu=3)), T0)
+    assert e.value.violations[0].field == "spec.slotsPerGpu"
+
+
+def test_observe_turns_a_snapshot_into_events():
+    state = started()
+    live = nodes("n0", "n1", "n3", "n7")
+    events = c.observe(state, live, noticed={"n1", "gone"})
+    assert events == [c.NodesLost(("n2",)), c.SpotNotice(("n1",)), c.NodesJoined(nodes("n7"))]
+    assert c.observe(c.handle_all(state, events, T0).state, live, {"n1"}) == []
+
+
+def test_conditions_keep_their_transition_time_while_unchanged():
+    state = started()
+    first = c.conditions(state, [], "t1")
+    again = c.conditions(state, first, "t2")
+    assert [x["lastTransitionTime"] for x in again] == ["t1"] * 3
+    st_ = c.status(state, [], "t", observed_generation=3)
+    assert st_["generation"] == 1 and st_["readyNodes"] == 4 and st_["lowestReplicas"] >= 2
+    assert st_["recoveryProbability"].endswith("(k=2)")
+
+
+# --- properties --------------------------------------------------------------------------
+
+NAMES = [f"n{i}" for i in range(8)]
+
+
+def _event():
+    name_sets = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True)
+    return st.one_of(
+        name_sets.map(lambda ns: c.NodesLost(tuple(ns))),
+        name_sets.map(lambda ns: c.SpotNotice(tuple(ns))),
+        name_sets.map(lambda ns: c.NodesJoined(nodes(*ns, zone="a"))),
+        st.integers(0, 50).map(lambda s: ("progress", s)),
+        st.just(c.RebalanceDue()),
+        st.just(c.Tick()),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_event(), max_size=25), st.sampled_from(["mro", "spread", "compact"]))
+def test_every_history_keeps_the_invariants(events, policy):
+    spec = job(replicas=6, maxNodes=6, placement=policy, rebalanceEverySteps=5)
+    state = c.new_job(spec, c.Settings(start_grace_s=0))
+    generation, now = 0, T0
+    for ev in events:
+        now += 1
+        if isinstance(ev, tuple):
+            ev = c.Progress(step=state.step + 1, generation=generation or 0,
+                            loads=((ev[1] + 1, 1, 2, 3), (3, 2, 1, ev[1])))
+        before = state
+        out = c.handle(state, ev, now)
+        state = out.state
+        for d in out.decisions:
+            if isinstance(d, c.PublishPlan):
+                # Generations strictly increase, one at a time: none is ever skipped.
+                assert d.plan.generation == generation + 1
+                generation = d.plan.generation
+                assert not violations(d.plan)
+                names = {n.name for n in d.plan.nodes}
+                # A published plan never includes a lost or noticed node.
+                assert names <= state.alive and not names & state.noticed
+                assert len(names) <= spec.target_nodes
+                if d.migration is not None:
+                    lost = set(d.migration.lost)
+                    # Unrecoverable iff some expert has no surviving replica.
+                    old = before.plan
+                    alive_old = {n.name for n in old.nodes} & before.alive - set(
+                        ev.names if isinstance(ev, c.NodesLost) else ())
+                    survivors = {(li, e) for li, layer in enumerate(old.layers)
+                                 for i, n in enumerate(old.nodes) if n.name in alive_old
+                                 for e in layer.placement[i]}
+                    every = {(li, e) for li in range(spec.layers) for e in range(spec.experts)}
+                    assert lost == every - survivors
+                    assert any(isinstance(x, c.RestoreCheckpoint) for x in out.decisions) == bool(lost)
+        assert (state.plan.generation if state.plan else 0) == generation
