@@ -1,0 +1,232 @@
+"""The three ways a job can meet a node loss, simulated on the same trace.
+
+- ``Lazarus``: re-plan in place with the real solver (``solver.replan``); the cost is a fixed
+  rebuild plus the migration plan's busiest link. Only when some expert lost every replica
+  does it restore a checkpoint. Optionally it acts on spot notices before the loss.
+- ``CheckpointRestart`` (DeepSpeed-like): needs its full world size; on a loss it rolls back,
+  waits until enough nodes are up again, and restarts every process.
+- ``ElasticRestart`` (DS(FT)-like): on a loss it rolls back and restarts at once on the
+  survivors; it grows into new nodes at its next checkpoint.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ..migration import Migration
+from ..plan import Plan
+from ..solver import plan_job, replan
+from ..topology import NodeSpec
+from .engine import Job
+from .throughput import expert_parallel_imbalance, lazarus_imbalance, step_seconds
+from .workload import Costs, ModelSpec
+
+STRATEGIES = ("lazarus", "checkpoint_restart", "elastic_restart")
+# Display names, after the systems the paper compares.
+TITLES = {"lazarus": "Lazarus", "checkpoint_restart": "DeepSpeed", "elastic_restart": "DS(FT)"}
+
+
+class _ExpertParallel(Job):
+    """Standard expert parallelism: step time set by the most popular expert."""
+
+    def __init__(self, model: ModelSpec, costs: Costs, checkpoint_every: int, node: NodeSpec,
+                 loads: Sequence[Sequence[float]]):
+        super().__init__(model, costs, checkpoint_every, node)
+        self._step_s = step_seconds(model, expert_parallel_imbalance(loads))
+
+    def step_seconds(self) -> float:
+        return self._step_s
+
+    def restart(self, nodes: list[NodeSpec]) -> None:
+        self.members = nodes
+        self.counts["restarts"] += 1
+        self.begin("restart", self.costs.restart_total_s(self.model), lambda: None)
+
+
+class CheckpointRestart(_ExpertParallel):
+    name = "checkpoint_restart"
+
+    def start(self, nodes: list[NodeSpec]) -> None:
+        self.world_size = len(nodes)  # the fixed expert-parallel layout needs all of them
+        self.members = nodes
+
+    def react(self, lost, joined, noticed) -> None:
+        if any(n.name in lost for n in self.members):
+            self.counts["failures"] += 1
+            self.rollback()
+            self.members = []
+        if not self.members and len(self.alive) >= self.world_size:
+            self.restart(sorted(self.alive.values(), key=lambda n: n.name)[:self.world_size])
+
+
+class ElasticRestart(_ExpertParallel):
+    name = "elastic_restart"
+
+    def start(self, nodes: list[NodeSpec]) -> None:
+        self.members = nodes if self._fits(nodes) else []
+
+    def _fits(self, nodes: list[NodeSpec]) -> bool:
+        return sum(n.slots for n in nodes) >= self.model.experts
+
+    def react(self, lost, joined, noticed) -> None:
+        if any(n.name in lost for n in self.members):
+            self.counts["failures"] += 1
+            self.rollback()
+            self.members = []
+        if not self.members and self._fits(list(self.alive.values())):
+            self.restart(list(self.alive.values()))
+
+    def after_checkpoint(self) -> None:
+        # Growing is a restart too, but right after a checkpoint it loses no steps.
+        if len(self.alive) > len(self.members):
+            self.restart(list(self.alive.values()))
+
+
+class Lazarus(Job):
+    name = "lazarus"
+
+    def __init__(self, model: ModelSpec, costs: Costs, checkpoint_every: int, node: NodeSpec,
+                 loads: Sequence[Sequence[float]], min_replicas: int = 2, policy: str = "mro",
+                 rebalance_every: int = 200, use_notices: bool = False):
+        super().__init__(model, costs, checkpoint_every, node)
+        if rebalance_every < 1:
+            raise ValueError(f"strategies.lazarus.rebalance_every: must be >= 1, "
+                             f"got {rebalance_every}")
+        self.loads = [list(l) for l in loads]
+        self.min_replicas, self.policy = min_replicas, policy
+        self.rebalance_every, self.use_notices = rebalance_every, use_notices
+        # Loads are unknown until the first rebalance has measured them (paper: step 200).
+        self.known_loads: list[list[float]] | None = None
+        self.plan: Plan | None = None  # the committed plan: what the workers hold
+        self.doomed: set[str] = set()  # nodes under a spot notice
+        # Why to re-plan at the next step boundary (NodeJoined, SpotNotice), if at all.
+        self.pending: str | None = None
+        self.rebalanced_step = 0
+        self._step_cache: dict[int, float] = {}
+
+    # --- throughput -------------------------------------------------------------------
+
+    def step_seconds(self) -> float:
+        key = id(self.plan)
+        if key not in self._step_cache:
+            self._step_cache = {key: step_seconds(self.model, lazarus_imbalance(self.plan, self.loads))}
+        return self._step_cache[key]
+
+    # --- events -----------------------------------------------------------------------
+
+    def start(self, nodes: list[NodeSpec]) -> None:
+        f = self._min_replicas(nodes)
+        if f:
+            self.plan = plan_job(nodes, self.model.experts, self.model.layers, f, self.policy,
+                                 max_failures=0)
+            self.members = self._plan_nodes(self.plan)
+
+    def react(self, lost, joined, noticed) -> None:
+        self.doomed -= set(lost)
+        if self.use_notices and set(noticed) & self._names(self.plan):
+            self.doomed |= set(noticed)
+            self.pending = "SpotNotice"
+        held = self._names(self.plan) | {n.name for n in self.members}
+        if set(lost) & held:
+            self.counts["failures"] += 1
+            self.interrupt()
+            self.reconfigure("NodeLost")
+        elif joined:
+            self.pending = self.pending or "NodeJoined"
+            if not self.members and not self.busy:
+                self.reconfigure("NodeJoined")
+
+    def steps_to_own_boundary(self) -> int | None:
+        if self.pending:
+            return 1 if self.partial else 0
+        if self.step > self.rebalanced_step and self.step % self.rebalance_every == 0:
+            return 0
+        return self.rebalance_every - self.step % self.rebalance_every
+
+    def at_own_boundary(self) -> None:
+        if self.pending:
+            self.reconfigure(self.pending)
+        else:
+            self.rebalance()
+
+    # --- reconfiguration ---------------------------------------------------------------
+
+    def reconfigure(self, reason: str) -> None:
+        """Re-plan onto every live node not under notice; migrate, or restore if we must."""
+        self.pending = None
+        nodes = [n for n in self.alive.values() if n.name not in self.doomed]
+        if not self._min_replicas(nodes):
+            nodes = list(self.alive.values())  # the doomed nodes are needed until they go
+        f = self._min_replicas(nodes)
+        if not f:
+            self.members = []  # too few slots to hold the model: wait for nodes
+            return
+        if self.plan is None:
+            self._restore(plan_job(nodes, self.model.experts, self.model.layers, f,
+                                   self.policy, loads=self.known_loads, max_failures=0))
+            return
+        sources = self._names(self.plan) & set(self.alive)
+        step = replan(replace(self.plan, min_replicas=f), nodes, reason, sources,
+                      loads=self.known_loads, max_failures=0)
+        if not step.migration.recoverable:
+            self._restore(step.plan)
+            return
+        self.counts["reconfigurations"] += 1
+        self.counts["experts_migrated"] += step.migration.experts_migrated
+        self.members = self._plan_nodes(step.plan)
+        self.begin("reconfiguration", self.costs.rebuild_s + self.transfer_s(step.migration),
+                   lambda: self._commit(step.plan))
+
+    def _restore(self, plan: Plan) -> None:
+        """Some expert has no replica left: every rank reloads the last checkpoint."""
+        self.counts["restores"] += 1
+        self.rollback()
+        self.members = self._plan_nodes(plan)
+        self.begin("restart", self.costs.rebuild_s + self.costs.load_s(self.model),
+                   lambda: self._commit(plan))
+
+    def rebalance(self) -> None:
+        """Re-allocate replicas to the measured loads when the faster steps repay the move."""
+        self.rebalanced_step = self.step
+        self.known_loads = self.loads
+        nodes = self._plan_nodes(self.plan)
+        step = replan(self.plan, nodes, "Rebalance", self._names(self.plan), loads=self.loads,
+                      max_failures=0)
+        cost = self.costs.rebuild_s + self.transfer_s(step.migration)
+        before = self.step_seconds()
+        after = step_seconds(self.model, lazarus_imbalance(step.plan, self.loads))
+        if not step.migration.transfers:
+            self._commit(step.plan)
+        elif (before - after) * self.rebalance_every > cost:
+            self.counts["rebalances"] += 1
+            self.counts["experts_migrated"] += step.migration.experts_migrated
+            self.begin("reconfiguration", cost, lambda: self._commit(step.plan))
+
+    def transfer_s(self, migration: Migration) -> float:
+        """Transfers run in parallel; the node that sends or receives the most sets the time."""
+        sent = Counter(t.source for t in migration.transfers)
+        received = Counter(t.destination for t in migration.transfers)
+        busiest = max([*sent.values(), *received.values()], default=0)
+        return busiest * self.model.expert_mb / 1000 / self.costs.link_gb_per_s
+
+    def _commit(self, plan: Plan) -> None:
+        self.plan = plan
+        self.members = self._plan_nodes(plan)
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _min_replicas(self, nodes: list[NodeSpec]) -> int:
+        """f, lowered as far as 1 while there are too few slots for f replicas of each expert.
+
+        0 means the nodes cannot hold one replica of every expert.
+        """
+        return min(self.min_replicas, sum(n.slots for n in nodes) // self.model.experts)
+
+    def _plan_nodes(self, plan: Plan) -> list[NodeSpec]:
+        by_name = {**self.alive}
+        return [by_name[n.name] for n in plan.nodes if n.name in by_name]
+
+    @staticmethod
+    def _names(plan: Plan | None) -> set[str]:
+        return {n.name for n in plan.nodes} if plan else set()

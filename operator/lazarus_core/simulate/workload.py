@@ -1,0 +1,78 @@
+"""What is being trained and what the fault-handling operations cost, in seconds and bytes.
+
+The GPT presets carry the paper's model facts (experts, layers, bytes per expert with
+optimizer state; paper-notes.md). Step times and the cost constants are our assumptions,
+stated in docs/reproduction; every one can be overridden from a config file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    experts: int
+    layers: int
+    expert_mb: float  # one expert of one layer: weights + optimizer state (paper: 63 / 112 MB)
+    dense_gb: float  # all non-expert parameters with their optimizer state
+    step_s: float  # one training step when every rank computes the same number of tokens
+    # Share of step_s spent in expert FFNs and their all-to-alls: the part that waits for the
+    # busiest rank. The rest (attention, dense layers) is the same on every rank.
+    expert_fraction: float = 0.5
+    batch_per_gpu: int = 4  # samples per GPU per step (paper: 4 sequences of 1024 tokens)
+
+    @property
+    def state_gb(self) -> float:
+        return self.dense_gb + self.layers * self.experts * self.expert_mb / 1000
+
+
+# Dense state = (total params - expert params) x 16 bytes (fp16 weights, fp32 master + Adam).
+# Step times: the paper's GPT-M runs at 45 samples/s on 10 GPUs x 4 samples (0.89 s a step);
+# GPT-S and GPT-L are scaled from it by active parameters per token.
+PRESETS = {
+    "gpt-s": ModelSpec("GPT-S", experts=8, layers=12, expert_mb=63, dense_gb=2.3, step_s=0.6),
+    "gpt-m": ModelSpec("GPT-M", experts=12, layers=12, expert_mb=112, dense_gb=4.6, step_s=0.89),
+    "gpt-l": ModelSpec("GPT-L", experts=16, layers=12, expert_mb=112, dense_gb=5.7, step_s=1.1),
+}
+
+
+@dataclass(frozen=True)
+class Costs:
+    checkpoint_gb_per_s: float = 1.0  # writing a full checkpoint (all ranks together)
+    restore_gb_per_s: float = 2.0  # reading it back
+    restart_s: float = 60.0  # relaunch every process, init communicators and data loaders
+    # Lazarus's fixed part of a reconfiguration. Paper Table 2: 20-40 s in total, of which the
+    # transfers were 2-8 s; the rest (10-20 s NCCL timeouts, 5-15 s new groups) averages 18 s.
+    rebuild_s: float = 18.0
+    link_gb_per_s: float = 0.5  # expert migration per node; fits Table 2's GPT-L transfers
+
+    def checkpoint_s(self, model: ModelSpec) -> float:
+        return model.state_gb / self.checkpoint_gb_per_s
+
+    def load_s(self, model: ModelSpec) -> float:
+        return model.state_gb / self.restore_gb_per_s
+
+    def restart_total_s(self, model: ModelSpec) -> float:
+        """A full job restart: new processes, then the checkpoint read back."""
+        return self.restart_s + self.load_s(model)
+
+
+def override(obj, values: dict, where: str):
+    """``obj`` with the fields in ``values`` replaced; unknown or mistyped fields name themselves."""
+    known = {f.name: f for f in fields(obj)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{where}.{key}: unknown field; known: {', '.join(sorted(known))}")
+        current = getattr(obj, key)
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}.{key}: must be a number, got {value!r}")
+            if value < 0 or (value == 0 and key != "expert_fraction"):
+                raise ValueError(f"{where}.{key}: must be > 0, got {value}")
+            value = type(current)(value) if isinstance(current, int) and value == int(value) else value
+        elif not isinstance(value, type(current)):
+            raise ValueError(f"{where}.{key}: must be a {type(current).__name__}, got {value!r}")
+        changes[key] = value
+    return replace(obj, **changes)
