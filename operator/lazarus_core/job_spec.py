@@ -234,8 +234,8 @@ def _check_gpu_request(p: "_Reader", template: Mapping, gpus: int) -> None:
             continue
         if str(value) != str(gpus):
             p.bad(f"spec.template.resources.{kind}[{_GPU_RESOURCE}]", "GpuRequestMismatch",
-                  f"requests {value} GPUs but gpusPerNode is {gpus}; make them equal, or "
-                  f"leave the resource out and the operator sets it from gpusPerNode")
+                  f"requests {value} GPUs but gpusPerNode is {gpus}; make them equal "
+                  f"(each GPU hosts one worker rank), or leave it out for CPU workers")
 
 
 class _Reader:
