@@ -30,6 +30,8 @@ healthy() { [ -f "$kubeconfig" ] && "${kubectl[@]}" get --raw /readyz >/dev/null
 
 create() {
   # --kubeconfig "" keeps kwokctl away from ~/.kube/config; ours is $kubeconfig.
+  # kwokctl slows the node lifecycle controller down (25 s) for clusters of thousands of
+  # nodes; ours are few, so it gets back Kubernetes' default and reacts to NotReady in seconds.
   "$kwokctl" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$KUBE_BIN_DIR/kube-apiserver" \
     --kube-controller-manager-binary "$KUBE_BIN_DIR/kube-controller-manager" \
@@ -38,6 +40,7 @@ create() {
     --kwok-controller-binary "$KWOK_BIN_DIR/kwok" \
     --kube-authorization --kube-admission \
     --config "$LAZARUS_ROOT/hack/kwok-stages.yaml" \
+    --extra-args kube-controller-manager=node-monitor-period=5s \
     --kubeconfig "" --wait 2m --timeout 3m
 }
 

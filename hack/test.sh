@@ -5,5 +5,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
+# The cluster tests start a local control plane (hack/cluster.sh) unless they are pointed at
+# another cluster; its binaries are built once per machine (minutes cold, instant when cached).
+[ -n "${LAZARUS_TEST_KUBECONFIG:-}" ] || "$LAZARUS_ROOT/hack/build-control-plane.sh"
 cd "$LAZARUS_ROOT"
 exec "$venv/bin/python" -m pytest "$@"

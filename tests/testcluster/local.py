@@ -44,3 +44,10 @@ def is_running(name: str | None = None) -> bool:
 
 def logs_dir(name: str | None = None) -> Path:
     return Path(_run("logs", name=name, timeout=30).stdout.strip())
+
+
+def cached_binaries() -> dict[str, int]:
+    """Every cached control-plane binary and its modification time (ns), to tell a reuse from a
+    rebuild."""
+    tools = Path(os.environ.get("LAZARUS_CACHE", Path.home() / ".cache" / "lazarus")) / "tools"
+    return {str(p): p.stat().st_mtime_ns for p in tools.glob("*/*") if p.is_file()}
