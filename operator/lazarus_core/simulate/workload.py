@@ -6,7 +6,7 @@ stated in docs/reproduction; every one can be overridden from a config file.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -57,22 +57,3 @@ class Costs:
         """A full job restart: new processes, then the checkpoint read back."""
         return self.restart_s + self.load_s(model)
 
-
-def override(obj, values: dict, where: str):
-    """``obj`` with the fields in ``values`` replaced; unknown or mistyped fields name themselves."""
-    known = {f.name: f for f in fields(obj)}
-    changes = {}
-    for key, value in values.items():
-        if key not in known:
-            raise ValueError(f"{where}.{key}: unknown field; known: {', '.join(sorted(known))}")
-        current = getattr(obj, key)
-        if isinstance(current, (int, float)) and not isinstance(current, bool):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{where}.{key}: must be a number, got {value!r}")
-            if value < 0 or (value == 0 and key != "expert_fraction"):
-                raise ValueError(f"{where}.{key}: must be > 0, got {value}")
-            value = type(current)(value) if isinstance(current, int) and value == int(value) else value
-        elif not isinstance(value, type(current)):
-            raise ValueError(f"{where}.{key}: must be a {type(current).__name__}, got {value!r}")
-        changes[key] = value
-    return replace(obj, **changes)

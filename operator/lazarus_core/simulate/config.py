@@ -1,0 +1,171 @@
+"""A simulation's configuration: parsed from a YAML/JSON mapping, every error naming its field.
+
+    model: gpt-l                     # a preset, or {preset: gpt-l, step_s: 1.2, ...}
+    cluster: {nodes: 10, gpus_per_node: 1, slots_per_gpu: 6, min_replicas: 2, policy: mro}
+    loads: zipf:0.5                  # or per-expert loads, or one list per layer
+    trace: {kind: mtbf, mtbf_s: 300, replace_s: 120, duration_s: 4800, notice_s: 0}
+    seeds: 3                         # traces per run (seeds 0..n-1); results are averaged
+    costs: {rebuild_s: 18, restart_s: 60, ...}
+    strategies:
+      lazarus: {checkpoint_every: 250, rebalance_every: 200, use_notices: false}
+      checkpoint_restart: {checkpoint_every: 50}
+      elastic_restart: {checkpoint_every: 250}
+
+Trace kinds: ``mtbf`` (mtbf_s, replace_s, notice_s, zones), ``availability`` (path or a
+shipped name, start_s, scale_to, notice_s), ``events`` (path or a shipped name), ``zones``
+(zones, nodes_per_zone, node_mtbf_s, zone_mtbf_s, outage_s, replace_s, notice_s). All take
+duration_s.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..placement import POLICIES
+from ..plan_command import parse_loads
+from .strategies import STRATEGIES
+from .trace import Trace, exponential, from_availability, read_availability, read_events, \
+    zone_correlated
+from .settings import checked, mapping, override
+from .workload import PRESETS, Costs, ModelSpec
+
+_TRACE_FIELDS = {
+    "mtbf": {"mtbf_s": 300.0, "replace_s": 120.0, "notice_s": 0.0, "zones": 1,
+             "duration_s": 4800.0},
+    "availability": {"path": "aws-g4dn", "start_s": 0.0, "scale_to": 0, "notice_s": 0.0,
+                     "duration_s": 0.0},
+    "events": {"path": "synthetic-spot", "duration_s": 0.0},
+    "zones": {"zones": 2, "nodes_per_zone": 5, "node_mtbf_s": 1800.0, "zone_mtbf_s": 3600.0,
+              "outage_s": 600.0, "replace_s": 120.0, "notice_s": 0.0, "duration_s": 4800.0},
+}
+_STRATEGY_FIELDS = {
+    "lazarus": {"checkpoint_every": 250, "rebalance_every": 200, "use_notices": False},
+    "checkpoint_restart": {"checkpoint_every": 50},
+    "elastic_restart": {"checkpoint_every": 250},
+}
+_CLUSTER_FIELDS = {"nodes": 10, "gpus_per_node": 1, "slots_per_gpu": 6, "min_replicas": 2,
+                   "policy": "mro"}
+
+
+@dataclass
+class SimConfig:
+    model: ModelSpec
+    costs: Costs
+    cluster: dict
+    loads: list[list[float]]
+    trace: dict  # kind plus that kind's fields
+    seeds: int
+    strategies: dict[str, dict] = field(default_factory=dict)
+
+    def traces(self) -> list[Trace]:
+        return [build_trace(self.trace, self.cluster["nodes"], seed) for seed in range(self.seeds)]
+
+
+def load_file(path: str) -> dict:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--config: {path} does not parse: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of settings")
+    return data
+
+
+def parse(data: dict) -> SimConfig:
+    known = {"model", "cluster", "loads", "trace", "seeds", "costs", "strategies"}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"{key}: unknown setting; known: {', '.join(sorted(known))}")
+    model = _model(data.get("model", "gpt-l"))
+    cluster = checked(data.get("cluster", {}), _CLUSTER_FIELDS, "cluster")
+    for key in ("nodes", "gpus_per_node", "slots_per_gpu", "min_replicas"):
+        if cluster[key] < 1:
+            raise ValueError(f"cluster.{key}: must be >= 1, got {cluster[key]}")
+    if cluster["policy"] not in POLICIES:
+        raise ValueError(f"cluster.policy: must be one of {', '.join(POLICIES)}, "
+                         f"got {cluster['policy']!r}")
+    loads = data.get("loads", "zipf:0.5")
+    if isinstance(loads, list):
+        loads = _loads_from_list(loads, model)
+    elif isinstance(loads, str) and loads.startswith("zipf:"):
+        loads = parse_loads(loads, model.experts, model.layers)
+    else:
+        raise ValueError(f"loads: must be zipf:S or a list of {model.experts} loads, got {loads!r}")
+    trace = _trace(data.get("trace", {"kind": "mtbf"}))
+    seeds = data.get("seeds", 1)
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ValueError(f"seeds: must be an integer >= 1, got {seeds!r}")
+    costs = override(Costs(), mapping(data.get("costs", {}), "costs"), "costs")
+    given = mapping(data.get("strategies", {}), "strategies")
+    for name in given:
+        if name not in STRATEGIES:
+            raise ValueError(f"strategies.{name}: unknown strategy; known: {', '.join(STRATEGIES)}")
+    strategies = {name: checked(given.get(name) or {}, defaults, f"strategies.{name}")
+                  for name, defaults in _STRATEGY_FIELDS.items()}
+    for name, settings in strategies.items():
+        for key in ("checkpoint_every", "rebalance_every"):
+            if key in settings and settings[key] < 1:
+                raise ValueError(f"strategies.{name}.{key}: must be >= 1, got {settings[key]}")
+    return SimConfig(model, costs, cluster, loads, trace, seeds, strategies)
+
+
+def _model(spec) -> ModelSpec:
+    if isinstance(spec, str):
+        spec = {"preset": spec}
+    spec = dict(mapping(spec, "model"))
+    name = spec.pop("preset", "gpt-l")
+    if name not in PRESETS:
+        raise ValueError(f"model.preset: must be one of {', '.join(PRESETS)}, got {name!r}")
+    model = override(PRESETS[name], spec, "model", may_be_zero=("expert_fraction",))
+    if not 0 <= model.expert_fraction <= 1:
+        raise ValueError(f"model.expert_fraction: must be in [0, 1], got {model.expert_fraction}")
+    return model
+
+
+def _loads_from_list(loads: list, model: ModelSpec) -> list[list[float]]:
+    if all(isinstance(x, (int, float)) for x in loads):
+        loads = [loads] * model.layers
+    if (len(loads) != model.layers
+            or not all(isinstance(l, list) and len(l) == model.experts
+                       and all(isinstance(x, (int, float)) and x >= 0 for x in l) for l in loads)):
+        raise ValueError(f"loads: give {model.experts} non-negative numbers, or {model.layers} "
+                         f"such lists (one per layer)")
+    return [[float(x) for x in l] for l in loads]
+
+
+def _trace(spec) -> dict:
+    spec = dict(mapping(spec, "trace"))
+    kind = spec.pop("kind", "mtbf")
+    if kind not in _TRACE_FIELDS:
+        raise ValueError(f"trace.kind: must be one of {', '.join(_TRACE_FIELDS)}, got {kind!r}")
+    values = checked(spec, _TRACE_FIELDS[kind], "trace")
+    for key, value in values.items():
+        if isinstance(value, (int, float)) and value < 0:
+            raise ValueError(f"trace.{key}: must be >= 0, got {value}")
+    return {"kind": kind, **values}
+
+
+def build_trace(spec: dict, nodes: int, seed: int) -> Trace:
+    kind = spec["kind"]
+    duration = spec["duration_s"] or None
+    if kind == "mtbf":
+        return exponential(nodes, spec["mtbf_s"], spec["duration_s"], spec["replace_s"], seed,
+                           spec["notice_s"], spec["zones"])
+    if kind == "availability":
+        rows, label = read_availability(spec["path"])
+        window = f", from {spec['start_s']:g} s" if spec["start_s"] else ""
+        return from_availability(rows, f"{label}{window}, seed {seed}", seed, spec["start_s"],
+                                 duration, spec["scale_to"] or None, spec["notice_s"])
+    if kind == "events":
+        return read_events(spec["path"], duration)
+    return zone_correlated(spec["zones"], spec["nodes_per_zone"], spec["node_mtbf_s"],
+                           spec["zone_mtbf_s"], spec["outage_s"], spec["replace_s"],
+                           spec["duration_s"], seed, spec["notice_s"])
+
