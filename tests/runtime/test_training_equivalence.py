@@ -1,8 +1,9 @@
 """Training with replicated experts on 4 gloo ranks is the same computation as on 1 rank.
 
 Both plans come from the real solver: an MRO plan with every expert replicated, and a
-strongly skewed one where the hot expert has 6 replicas and the others the minimum. All
-four ranks run both plans in one spawn (process start-up dominates the cost on 2 cores).
+strongly skewed one where the hot expert has 6 replicas and the others the minimum, and a
+switch from the first to the second halfway through (a rebalance, as Runtime II drives it).
+All four ranks run every scenario in one spawn (process start-up dominates on 2 cores).
 """
 from __future__ import annotations
 
@@ -34,10 +35,22 @@ def skewed_plan() -> Plan:
     return plan_job(NODES, experts=E, layers=L, min_replicas=2, loads=[[1, 1, 1, 40]] * L)
 
 
-def train(rank: int, comm: Collectives, plan_json: str) -> dict:
-    """Run STEPS steps; return losses, sample ids and every parameter this rank holds."""
+def train(rank: int, comm: Collectives, plan_json: str, then_json: str | None = None) -> dict:
+    """Run STEPS steps; return losses, sample ids and every parameter this rank holds.
+
+    With ``then_json``, switch to that plan generation halfway, fetching the experts this
+    rank newly holds from the others (a plain all-gather stands in for Runtime II's
+    transfers).
+    """
     engine = Engine(RuntimeConfig.from_manifest(MANIFEST), Plan.from_json(plan_json), rank, comm)
-    results = [engine.step(s) for s in range(STEPS)]
+    results = [engine.step(s) for s in range(STEPS // 2)]
+    if then_json is not None:
+        offered = [None] * comm.world_size
+        torch.distributed.all_gather_object(
+            offered, {k: engine.expert_state(k) for k in engine.held_experts()})
+        everything = {k: state for held in offered for k, state in held.items()}
+        engine.reconfigure(Plan.from_json(then_json), rank, comm, everything)
+    results += [engine.step(s) for s in range(STEPS // 2, STEPS)]
     return {
         "losses": [r.loss for r in results],
         "samples": [r.sample_ids for r in results],
@@ -49,8 +62,8 @@ def train(rank: int, comm: Collectives, plan_json: str) -> dict:
     }
 
 
-def train_plans(rank: int, comm: Collectives, plan_jsons: list[str]) -> list[dict]:
-    return [train(rank, comm, p) for p in plan_jsons]
+def train_plans(rank: int, comm: Collectives, runs: list[tuple[str, str | None]]) -> list[dict]:
+    return [train(rank, comm, *run) for run in runs]
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +75,26 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def distributed() -> dict[str, list[dict]]:
-    plans = {"mro": mro_plan(), "skewed": skewed_plan()}
-    per_rank = run_gloo(train_plans, world_size=4,
-                        args=([p.to_json() for p in plans.values()],), timeout_s=150)
-    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(plans)}
+    mro, skewed = mro_plan().to_json(), skewed_plan().to_json()
+    rebalanced = plan_job(NODES, experts=E, layers=L, min_replicas=2, loads=[[1, 1, 1, 40]] * L,
+                          generation=2, reason="Rebalance").to_json()
+    runs = {"mro": (mro, None), "skewed": (skewed, None), "mro-then-skewed": (mro, rebalanced)}
+    per_rank = run_gloo(train_plans, world_size=4, args=(list(runs.values()),), timeout_s=150)
+    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(runs)}
 
 
 def test_plans_replicate_as_intended():
     assert all(r == (3,) * E for r in (l.replicas for l in mro_plan().layers))
     assert all(l.replicas == (2, 2, 2, 6) for l in skewed_plan().layers)
+    # The switch really moves experts: some rank must receive one it did not hold.
+    before, after = mro_plan(), skewed_plan()
+    assert any(set(after.rank_experts(l, r)) - set(before.rank_experts(l, r))
+               for l in range(L) for r in range(4))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("plan", ["mro", "skewed"])
+@pytest.mark.parametrize("plan", ["mro", "skewed", "mro-then-skewed"])
 def test_four_ranks_train_like_one(plan, reference, distributed):
     ranks = distributed[plan]
     for r in ranks:
@@ -99,7 +118,7 @@ def test_four_ranks_train_like_one(plan, reference, distributed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("plan", ["mro", "skewed"])
+@pytest.mark.parametrize("plan", ["mro", "skewed", "mro-then-skewed"])
 def test_replicas_stay_bit_identical(plan, distributed):
     ranks = distributed[plan]
     for key in {k for r in ranks for k in r["experts"]}:
