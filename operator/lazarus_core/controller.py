@@ -146,6 +146,9 @@ class JobState:
     noticed: frozenset[str] = frozenset()
     # Nodes out of the plan whose workers are kept until the workers leave their generation.
     draining: frozenset[str] = frozenset()
+    # Plan nodes whose worker died since the plan was published. A worker that comes back
+    # on such a node starts empty, so it is no source of expert state for the next plan.
+    departed: frozenset[str] = frozenset()
     step: int = 0  # last completed step
     checkpoint_step: int | None = None
     loads: tuple[tuple[int, ...], ...] | None = None
@@ -174,7 +177,8 @@ class JobState:
     @property
     def stale(self) -> bool:
         """The published plan names a node whose worker is gone: the workers are stuck."""
-        return self.plan is not None and any(n.name not in self.alive for n in self.plan.nodes)
+        return self.plan is not None and any(
+            n.name not in self.alive or n.name in self.departed for n in self.plan.nodes)
 
     def missing_workers(self, starting: int = 0) -> int:
         """Workers to start toward the target, given ``starting`` ones not yet up."""
@@ -254,11 +258,13 @@ def _on_lost(state: JobState, names: set[str], now: float) -> Outcome:
     names &= state.alive
     if not names:
         return Outcome(state)
+    in_plan = {n.name for n in state.plan.nodes} if state.plan else set()
     state = dataclasses.replace(
         state,
         nodes=tuple(n for n in state.nodes if n.name not in names),
         noticed=state.noticed - names,
         draining=state.draining - names,
+        departed=state.departed | (names & in_plan),
     )
     if state.plan is None:
         return _advance(state, now)
@@ -268,7 +274,9 @@ def _on_lost(state: JobState, names: set[str], now: float) -> Outcome:
 
 
 def _on_notice(state: JobState, names: set[str], now: float) -> Outcome:
-    names = (names & state.alive) - state.noticed
+    # Not filtered by ``alive``: a notice may come before the node's worker has joined, and
+    # the node must then never enter a plan.
+    names = names - state.noticed
     if not names:
         return Outcome(state)
     state = dataclasses.replace(state, noticed=state.noticed | names)
@@ -413,7 +421,7 @@ def _publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
     else:
         # replan() keeps the old plan's policy and f; a spec change may have altered them.
         old = dataclasses.replace(state.plan, policy=spec.policy, min_replicas=spec.min_replicas)
-        sources = {n.name for n in state.plan.nodes} & state.alive
+        sources = ({n.name for n in state.plan.nodes} & state.alive) - state.departed
         result = replan(old, chosen, reason, sources, loads,
                         max_failures=state.settings.max_failures)
         plan, migration = result.plan, result.migration
@@ -428,6 +436,7 @@ def _publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
                f"{moved} expert replicas to migrate")
     decisions: list[Decision] = [PublishPlan(plan, migration, message)]
     state = dataclasses.replace(state, plan=plan, pending=None, draining=draining,
+                                departed=frozenset(),
                                 last_lost=tuple(lost), last_experts_migrated=moved,
                                 changed_at=now, ready_since=None)
     if lost:

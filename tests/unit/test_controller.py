@@ -245,7 +245,9 @@ def test_every_history_keeps_the_invariants(events, policy):
                     lost = set(d.migration.lost)
                     # Unrecoverable iff some expert has no surviving replica.
                     old = before.plan
-                    alive_old = {n.name for n in old.nodes} & before.alive - set(
+                    # Survivors: workers that lived through the whole generation (a worker
+                    # that died and came back starts empty).
+                    alive_old = {n.name for n in old.nodes} & before.alive - before.departed - set(
                         ev.names if isinstance(ev, c.NodesLost) else ())
                     survivors = {(li, e) for li, layer in enumerate(old.layers)
                                  for i, n in enumerate(old.nodes) if n.name in alive_old
@@ -254,3 +256,12 @@ def test_every_history_keeps_the_invariants(events, policy):
                     assert lost == every - survivors
                     assert any(isinstance(x, c.RestoreCheckpoint) for x in out.decisions) == bool(lost)
         assert (state.plan.generation if state.plan else 0) == generation
+
+
+def test_a_worker_that_died_and_came_back_is_no_source_of_experts():
+    state = started(job(placement="compact", replicas=4, maxNodes=4, minNodes=4))
+    first = state.plan.nodes[0].name  # compact: holds every replica of expert 0
+    out = c.handle(state, c.NodesLost((first,)), T0)
+    assert _kinds(out) == ["Wait"]
+    out = c.handle(out.state, c.NodesJoined(nodes(first)), T0 + 1)
+    assert any(isinstance(d, c.RestoreCheckpoint) for d in out.decisions)
