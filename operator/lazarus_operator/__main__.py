@@ -1,0 +1,48 @@
+"""Run the Lazarus operator: ``python -m lazarus_operator [--all-namespaces | --namespace NS]``."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+from prometheus_client import start_http_server
+
+from . import handlers  # noqa: F401  (registers the kopf handlers)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lazarus-operator", description=__doc__)
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="watch LazarusJobs in every namespace")
+    scope.add_argument("-n", "--namespace", action="append",
+                       help="watch this namespace (repeatable)")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", default=None,
+                         help="kopf peering object: replicas sharing it run one at a time")
+    peering.add_argument("--standalone", action="store_true",
+                         help="no peering (a single replica, or tests)")
+    parser.add_argument("--metrics-port", type=int, default=8080,
+                        help="serve Prometheus metrics on this port (0: off)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
+                        help="kopf liveness endpoint URL")
+    parser.add_argument("--start-grace-seconds", type=float, default=10.0,
+                        help="before a job's first plan, wait this long for its target nodes")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    kopf.run(
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or (),
+        standalone=args.standalone,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(start_grace_s=args.start_grace_seconds),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""kopf handlers: small functions that translate watch events into reconcile requests.
+
+The decisions are all in the controller core (lazarus_core.controller) and the reconciler;
+a handler only says which job to look at. Handlers are sync: kopf runs them in its thread
+pool, where the blocking Kubernetes client is fine.
+"""
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from lazarus_core.controller import Settings
+from lazarus_core.job_spec import SpecError, parse_spec
+
+from . import builders
+from .reconciler import Reconciler
+
+JOBS = f"{builders.PLURAL}.{builders.VERSION}.{builders.GROUP}"
+# Level-triggered safety net: catches deadlines the core asked for and anything missed.
+RESYNC_S = 5.0
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.ApiClient()
+    # Pod patches and deletions fan out in parallel; the default pool of 4 would serialise them.
+    api.rest_client.pool_manager.connection_pool_kw["maxsize"] = 16
+    memo.reconciler = Reconciler(api, Settings(start_grace_s=memo.get("start_grace_s", 10.0)))
+    # kopf posts an Event per handler log line at INFO; only its warnings and errors (a
+    # permanently invalid spec) are worth one. The reconciler posts the reconfigurations.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+
+
+@kopf.on.create(JOBS)
+@kopf.on.update(JOBS)
+@kopf.on.resume(JOBS)
+def job_spec_changed(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
+                     meta: kopf.Meta, patch: kopf.Patch, memo: kopf.Memo, **_) -> None:
+    """Check the spec, then reconcile. A spec the schema let through but that can never run
+    gets a Ready=False condition naming the field, once: no retries."""
+    try:
+        parse_spec(dict(spec))
+    except SpecError as e:
+        patch.status["conditions"] = [{
+            "type": "Ready", "status": "False", "reason": e.reason, "message": str(e),
+            "lastTransitionTime": _now(), "observedGeneration": meta.get("generation"),
+        }]
+        patch.status["observedGeneration"] = meta.get("generation")
+        raise kopf.PermanentError(str(e))
+    memo.reconciler.request(namespace, name)
+
+
+@kopf.timer(JOBS, interval=RESYNC_S, sharp=False)
+def job_resync(name: str, namespace: str, memo: kopf.Memo, **_) -> None:
+    memo.reconciler.request(namespace, name)
+
+
+@kopf.on.event(JOBS)
+def job_event(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo, **_) -> None:
+    if event["type"] == "DELETED":
+        # Owner references take the pods, the plan ConfigMap and the Service with it.
+        memo.reconciler.forget(namespace, name)
+
+
+@kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT, builders.ROLE_LABEL: "worker"})
+def worker_pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_) -> None:
+    """Deleted, failed, evicted, scheduled, running, a DisruptionTarget condition, progress."""
+    memo.reconciler.request(namespace, labels[builders.JOB_LABEL])
+
+
+@kopf.on.event("nodes")
+def node_event(event: kopf.RawEvent, name: str, memo: kopf.Memo, **_) -> None:
+    """Deleted, NotReady, or tainted with a spot notice: re-plan the jobs that run there."""
+    body = None if event["type"] == "DELETED" else event["object"]
+    for namespace, job in memo.reconciler.node_changed(body, name):
+        memo.reconciler.request(namespace, job)
+
+
+def _now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

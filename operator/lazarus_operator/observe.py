@@ -1,0 +1,139 @@
+"""What the cluster says about a job's workers, reduced to what the controller core reads.
+
+Pure functions over pod and node manifests (dicts as the API returns them): which nodes
+have a live worker, which are under a spot notice, which pods are still starting, which
+must be cleaned up, and the latest progress report. Unit-tested without a cluster.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lazarus_core.controller import Progress
+from lazarus_core.job_spec import JobSpec
+from lazarus_core.topology import NodeSpec
+
+from .builders import INDEX_LABEL, PROGRESS_ANNOTATION
+
+ZONE_LABEL = "topology.kubernetes.io/zone"
+# Every cloud labels spot capacity its own way; any of these marks a node as spot.
+_SPOT_LABELS = {
+    "karpenter.sh/capacity-type": "spot",
+    "eks.amazonaws.com/capacityType": "SPOT",
+    "cloud.google.com/gke-spot": "true",
+    "cloud.google.com/gke-preemptible": "true",
+}
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """The parts of a Node the operator acts on."""
+    name: str
+    zone: str
+    spot: bool
+    ready: bool
+    taints: frozenset[str]
+
+    @classmethod
+    def from_manifest(cls, node: Mapping) -> "NodeInfo":
+        meta = node.get("metadata", {})
+        labels = meta.get("labels") or {}
+        conditions = (node.get("status") or {}).get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        taints = frozenset(t.get("key", "") for t in (node.get("spec") or {}).get("taints") or [])
+        return cls(
+            name=meta["name"],
+            zone=labels.get(ZONE_LABEL, ""),
+            spot=any(labels.get(k) == v for k, v in _SPOT_LABELS.items()),
+            ready=ready and not meta.get("deletionTimestamp"),
+            taints=taints,
+        )
+
+    def spec(self, job: JobSpec) -> NodeSpec:
+        return NodeSpec(self.name, job.gpus_per_node, job.slots_per_gpu, self.zone,
+                        "spot" if self.spot else "on-demand")
+
+
+@dataclass
+class Observation:
+    live: list[NodeSpec] = field(default_factory=list)
+    noticed: set[str] = field(default_factory=set)
+    # Pods created but not running yet: workers on their way, not to be created twice.
+    starting: list[str] = field(default_factory=list)
+    # node name -> live worker pod name
+    pod_on: dict[str, str] = field(default_factory=dict)
+    # Every worker index in use by some pod (terminating ones too): names never collide.
+    used_indices: set[int] = field(default_factory=set)
+    # Pods to delete: finished or failed, or stranded on a node that is gone or NotReady.
+    # (name, force): force for pods no kubelet will ever confirm deleting.
+    doomed: list[tuple[str, bool]] = field(default_factory=list)
+    progress: Progress | None = None
+
+
+def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
+            job: JobSpec) -> Observation:
+    """Classify the job's worker pods. ``nodes`` maps each pod's node to its info, or None
+    when the node no longer exists."""
+    notice_taints = set(job.spot_notice_taints)
+    out = Observation()
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        index = (meta.get("labels") or {}).get(INDEX_LABEL, "")
+        if index.isdigit():
+            out.used_indices.add(int(index))
+        if meta.get("deletionTimestamp"):
+            continue
+        phase = status.get("phase", "Pending")
+        node_name = spec.get("nodeName")
+        if phase in ("Failed", "Succeeded"):  # evicted pods are Failed with reason Evicted
+            out.doomed.append((meta["name"], False))
+            continue
+        if not node_name:
+            out.starting.append(meta["name"])
+            continue
+        node = nodes.get(node_name)
+        if node is None or not node.ready:
+            out.doomed.append((meta["name"], True))
+            continue
+        if phase != "Running":
+            out.starting.append(meta["name"])
+            continue
+        if node_name in out.pod_on:
+            # Two workers on one node cannot happen through the anti-affinity; if it does,
+            # keep the first so that a node is one failure domain.
+            out.doomed.append((meta["name"], False))
+            continue
+        out.pod_on[node_name] = meta["name"]
+        out.live.append(node.spec(job))
+        if node.taints & notice_taints or _disruption_target(status):
+            out.noticed.add(node_name)
+        progress = _progress(meta)
+        if progress is not None and (out.progress is None or
+                                     (progress.generation, progress.step)
+                                     > (out.progress.generation, out.progress.step)):
+            out.progress = progress
+    return out
+
+
+def _disruption_target(status: Mapping) -> bool:
+    """The pod condition Kubernetes sets before evicting or preempting a pod."""
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+               for c in status.get("conditions") or [])
+
+
+def _progress(meta: Mapping) -> Progress | None:
+    raw = (meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw)
+        loads = d.get("loads")
+        return Progress(
+            step=int(d["step"]), generation=int(d["generation"]),
+            loads=tuple(tuple(int(t) for t in layer) for layer in loads) if loads else None,
+            checkpoint_step=int(d["checkpointStep"]) if d.get("checkpointStep") is not None else None,
+        )
+    except (ValueError, KeyError, TypeError):
+        # A worker bug must not stop the job; the report is ignored and the next one counts.
+        return None

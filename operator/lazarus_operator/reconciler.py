@@ -1,0 +1,370 @@
+"""Reconciling a LazarusJob: observe the cluster, run the controller core, apply its decisions.
+
+Level-triggered: every pass reads the job, its pods and their nodes, turns the difference
+from the controller state into events, and applies what the core decides. The state lives
+in the API server (the plan ConfigMap and the job's status); the in-memory copy is only a
+cache, rebuilt from them after a restart or whenever applying a decision fails. So killing
+the operator at any point loses nothing: the next pass re-derives what is missing, pods
+have deterministic names, and "already exists" is a normal outcome.
+
+Passes for one job never overlap: events that arrive during a pass coalesce into one more
+pass after it (``request``), which keeps a burst of pod events from becoming a burst of
+re-plans.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lazarus_core import controller as core
+from lazarus_core.job_spec import JobSpec, SpecError, parse_spec
+from lazarus_core.plan import Plan, PlanError
+from lazarus_core.topology import NodeSpec
+
+from . import builders, metrics
+from .observe import NodeInfo, Observation, observe_workers
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, job name)
+
+
+@dataclass
+class _Job:
+    state: core.JobState | None = None
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    dirty: bool = False
+    running: bool = False
+    service_ready: bool = False
+
+
+class Reconciler:
+    def __init__(self, api: client.ApiClient, settings: core.Settings = core.Settings(),
+                 clock: Callable[[], float] = time.time):
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.settings = settings
+        self.clock = clock
+        self.nodes: dict[str, NodeInfo] = {}
+        self.jobs: dict[Key, _Job] = {}
+        self._jobs_guard = threading.Lock()
+        # Pod annotations and deletions fan out; the plan ConfigMap is written first.
+        self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazarus-fanout")
+
+    # --- entry points -------------------------------------------------------------------
+
+    def request(self, namespace: str, name: str) -> None:
+        """Reconcile now, or once more right after the pass already running for this job."""
+        job = self._job((namespace, name))
+        with job.guard:
+            job.dirty = True
+            if job.running:
+                return
+            job.running = True
+        try:
+            while True:
+                with job.guard:
+                    if not job.dirty:
+                        job.running = False
+                        return
+                    job.dirty = False
+                self.reconcile(namespace, name)
+        except BaseException:
+            with job.guard:
+                job.running = False
+            raise
+
+    def node_changed(self, node: dict | None, name: str) -> list[Key]:
+        """Update the node cache; the jobs whose workers this change concerns."""
+        before = self.nodes.get(name)
+        after = NodeInfo.from_manifest(node) if node is not None else None
+        if after is None:
+            self.nodes.pop(name, None)
+        else:
+            self.nodes[name] = after
+        if before is not None and after is not None and (before.ready, before.taints) == (
+                after.ready, after.taints):
+            return []
+        return [key for key, job in list(self.jobs.items())
+                if job.state is not None and name in job.state.alive]
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._jobs_guard:
+            self.jobs.pop((namespace, name), None)
+        metrics.forget(namespace, name)
+
+    # --- one pass -----------------------------------------------------------------------
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        started = time.perf_counter()
+        try:
+            body = self.custom.get_namespaced_custom_object(
+                builders.GROUP, builders.VERSION, namespace, builders.PLURAL, name)
+        except ApiException as e:
+            if e.status == 404:
+                self.forget(namespace, name)
+                return
+            raise
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return  # the job handler reported it as a condition; nothing can run
+        job = self._job((namespace, name))
+        fresh = job.state is None
+        state = job.state or self._rebuild(body, spec)
+        pods = self._list_json(self.core.list_namespaced_pod, namespace,
+                               label_selector=builders.selector(name))
+        obs = observe_workers(pods, self._node_infos(pods), spec)
+
+        events: list[core.Event] = core.observe(state, obs.live, obs.noticed)
+        if fresh or spec != state.spec:
+            events.append(core.SpecChanged(spec))
+        if obs.progress is not None and _newer(obs.progress, state):
+            events.append(obs.progress)
+        events.append(core.Tick())
+        now = self.clock()
+        t0 = time.perf_counter()
+        try:
+            outcome = core.handle_all(state, events, now)
+        except SpecError as e:
+            # A change the CRD's CEL rules would have refused (immutable fields).
+            self._event(body, "InvalidSpec", str(e), "Warning", f"invalid.{body['metadata']['generation']}")
+            return
+        metrics.SOLVER_SECONDS.labels(namespace, name).observe(time.perf_counter() - t0)
+        try:
+            self._apply(body, spec, outcome, obs, started)
+        except Exception:
+            job.state = None  # rebuild from the API server next time: it is the truth
+            raise
+        job.state = outcome.state
+
+    def _apply(self, body: dict, spec: JobSpec, outcome: core.Outcome, obs: Observation,
+               started: float) -> None:
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        state = outcome.state
+        restores = {d.generation: d for d in outcome.decisions
+                    if isinstance(d, core.RestoreCheckpoint)}
+        self._ensure_service(body)
+        for d in outcome.decisions:
+            if isinstance(d, core.PublishPlan):
+                self._publish(body, d, restores.get(d.plan.generation), obs, started)
+            elif isinstance(d, core.ReleaseWorkers):
+                self._delete_pods([(obs.pod_on[n], False) for n in d.names if n in obs.pod_on],
+                                  namespace)
+            elif isinstance(d, core.Wait):
+                generation = state.plan.generation if state.plan else 0
+                self._event(body, d.reason, d.message, "Warning",
+                            f"g{generation}.{d.reason.lower()}")
+        self._delete_pods(obs.doomed, namespace)
+        self._right_size(body, spec, state, obs)
+        self._patch_status(body, state)
+
+    def _publish(self, body: dict, d: core.PublishPlan, restore: core.RestoreCheckpoint | None,
+                 obs: Observation, started: float) -> None:
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        plan = d.plan
+        restore_doc = None if restore is None else {
+            "generation": restore.generation, "step": restore.step,
+            "lost": [list(x) for x in restore.lost]}
+        cm = builders.build_plan_configmap(name, namespace, plan, restore_doc)
+        kopf.adopt(cm, owner=body)
+        self._upsert_configmap(cm)
+        elapsed = time.perf_counter() - started
+        labels = (namespace, name)
+        if plan.generation > 1:
+            metrics.RECONFIGURATIONS.labels(*labels, plan.reason).inc()
+            metrics.RECONFIGURATION_SECONDS.labels(*labels).observe(elapsed)
+        if d.migration is not None:
+            metrics.EXPERTS_MIGRATED.labels(*labels).inc(d.migration.experts_migrated)
+        metrics.PLAN_GENERATION.labels(*labels).set(plan.generation)
+        for k, p in plan.recovery.items():
+            metrics.RECOVERY_PROBABILITY.labels(*labels, k).set(p)
+        log.info("%s/%s: %s (%.3f s)", namespace, name, d.message, elapsed)
+        self._event(body, "PlanPublished" if plan.generation == 1 else "Reconfigured",
+                    d.message, "Normal", f"g{plan.generation}.published")
+        if restore is not None:
+            metrics.CHECKPOINT_RESTORES.labels(*labels).inc()
+            self._event(body, "CheckpointRestore", restore.message, "Warning",
+                        f"g{plan.generation}.restore")
+        # The ConfigMap is the plan; the pod annotation lets `kubectl get pods` show which
+        # generation each worker was last told about.
+        patch = {"metadata": {"annotations": {builders.GENERATION_ANNOTATION: str(plan.generation)}}}
+        pods = [obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on]
+        list(self._fanout.map(lambda p: self._ignore_missing(
+            self.core.patch_namespaced_pod, p, namespace, patch), pods))
+
+    def _right_size(self, body: dict, spec: JobSpec, state: core.JobState,
+                    obs: Observation) -> None:
+        """Create the workers the target still lacks; drop starting ones beyond it."""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        missing = state.missing_workers(len(obs.starting))
+        generation = state.plan.generation if state.plan else 0
+        free = (i for i in range(10**6) if i not in obs.used_indices)
+        for _ in range(missing):
+            pod = builders.build_worker_pod(name, namespace, spec, next(free), generation)
+            kopf.adopt(pod, owner=body)
+            try:
+                self.core.create_namespaced_pod(namespace, pod)
+            except ApiException as e:
+                if e.status != 409:  # 409: created by a pass before a restart
+                    raise
+        usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
+        excess = usable + len(obs.starting) - spec.target_nodes
+        if excess > 0:
+            surplus = sorted(obs.starting, key=_index)[-excess:]
+            self._delete_pods([(p, False) for p in surplus], namespace)
+
+    def _patch_status(self, body: dict, state: core.JobState) -> None:
+        meta = body["metadata"]
+        old = body.get("status") or {}
+        new = core.status(state, old.get("conditions") or [], _iso(self.clock()),
+                          observed_generation=meta.get("generation"))
+        new |= {"observedGeneration": meta.get("generation"),
+                "selector": builders.selector(meta["name"]),
+                "planConfigMap": builders.plan_configmap_name(meta["name"])}
+        labels = (meta["namespace"], meta["name"])
+        metrics.READY_NODES.labels(*labels).set(new["readyNodes"])
+        if "lowestReplicas" in new:
+            metrics.LOWEST_REPLICAS.labels(*labels).set(new["lowestReplicas"])
+        if all(old.get(k) == v for k, v in new.items()):
+            return  # an unchanged status is not written: no event storm on the job
+        self.custom.patch_namespaced_custom_object_status(
+            builders.GROUP, builders.VERSION, meta["namespace"], builders.PLURAL, meta["name"],
+            {"status": new})
+
+    # --- state rebuild ------------------------------------------------------------------
+
+    def _rebuild(self, body: dict, spec: JobSpec) -> core.JobState:
+        """The controller state from what the API server holds: the latest published plan
+        and the job's status. Loads and pending growth are re-learnt from the workers."""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        status = body.get("status") or {}
+        plan = None
+        try:
+            cm = self.core.read_namespaced_config_map(builders.plan_configmap_name(name), namespace)
+            plan = Plan.from_json((cm.data or {})[builders.PLAN_KEY])
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        except (KeyError, PlanError) as e:
+            log.error("%s/%s: the plan ConfigMap is unreadable (%s); starting afresh",
+                      namespace, name, e)
+        nodes: tuple[NodeSpec, ...] = ()
+        if plan is not None:
+            nodes = tuple(
+                self.nodes[n.name].spec(spec) if n.name in self.nodes else
+                NodeSpec(n.name, spec.gpus_per_node, spec.slots_per_gpu, n.zone)
+                for n in plan.nodes)
+        step = status.get("step", 0)
+        return core.JobState(
+            spec=spec, plan=plan, nodes=nodes, step=step,
+            checkpoint_step=status.get("checkpointStep"),
+            last_rebalance_step=step,
+            progress_generation=plan.generation if plan is not None and step else None,
+            restores=status.get("checkpointRestores", 0),
+            settings=self.settings,
+        )
+
+    # --- API helpers --------------------------------------------------------------------
+
+    def _job(self, key: Key) -> _Job:
+        with self._jobs_guard:
+            return self.jobs.setdefault(key, _Job())
+
+    def _node_infos(self, pods: Iterable[dict]) -> dict[str, NodeInfo | None]:
+        infos: dict[str, NodeInfo | None] = {}
+        for pod in pods:
+            node = (pod.get("spec") or {}).get("nodeName")
+            if not node or node in infos:
+                continue
+            if node not in self.nodes:
+                try:  # not seen by the node watch yet (operator just started)
+                    self.nodes[node] = NodeInfo.from_manifest(
+                        json.loads(self.core.read_node(node, _preload_content=False).data))
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+            infos[node] = self.nodes.get(node)
+        return infos
+
+    @staticmethod
+    def _list_json(fn, *args, **kwargs) -> list[dict]:
+        # Raw JSON: the client's model deserialisation costs seconds for a thousand pods.
+        return json.loads(fn(*args, _preload_content=False, **kwargs).data)["items"]
+
+    def _upsert_configmap(self, cm: dict) -> None:
+        meta = cm["metadata"]
+        try:
+            self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            self.core.create_namespaced_config_map(meta["namespace"], cm)
+
+    def _ensure_service(self, body: dict) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        job = self._job(key)
+        if job.service_ready:
+            return
+        svc = builders.build_workers_service(key[1], key[0])
+        kopf.adopt(svc, owner=body)
+        try:
+            self.core.create_namespaced_service(key[0], svc)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        job.service_ready = True
+
+    def _delete_pods(self, pods: list[tuple[str, bool]], namespace: str) -> None:
+        def delete(item):
+            pod, force = item
+            # No kubelet will confirm deleting a pod on a vanished or dead node: force it,
+            # so its name and its place in the count are free at once.
+            self._ignore_missing(self.core.delete_namespaced_pod, pod, namespace,
+                                 grace_period_seconds=0 if force else None)
+        list(self._fanout.map(delete, pods))
+
+    @staticmethod
+    def _ignore_missing(fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def _event(self, body: dict, reason: str, message: str, kind: str, suffix: str) -> None:
+        """One Event per (job, suffix): a retried pass does not post it twice."""
+        meta = body["metadata"]
+        ref = {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}
+        name = f"{meta['name']}.{meta['uid'][:8]}.{suffix}"
+        event = builders.build_event(ref, reason, message, kind, _iso(self.clock()), name)
+        try:
+            self.core.create_namespaced_event(meta["namespace"], event)
+        except ApiException as e:
+            if e.status != 409:
+                log.warning("could not post event %s: %s", reason, e.reason)
+
+
+def _newer(p: core.Progress, state: core.JobState) -> bool:
+    if state.progress_generation is None:
+        return True
+    return (p.generation, p.step) > (state.progress_generation, state.step)
+
+
+def _index(pod_name: str) -> int:
+    tail = pod_name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
