@@ -8,7 +8,8 @@ The arithmetic equals single-copy training of the global batch: each rank's loss
 token-loss sum divided by the *global* token count, dense gradients are summed over ranks
 (that is the average, weighted by each rank's share of the batch) and every expert's
 gradient is summed over its replicas. Runtime II drives reconfiguration through
-``reconfigure`` and moves expert state with ``expert_state`` / ``load_expert_state``.
+``reconfigure`` and moves state with ``expert_state`` / ``load_expert_state`` (experts) and
+``dense_state`` / ``load_dense_state`` (for joining workers).
 """
 from __future__ import annotations
 
@@ -115,21 +116,17 @@ class Engine:
     def _sum_dense_grads(self, loss_sum: torch.Tensor) -> float:
         """One all-reduce for every dense gradient, with the loss sum riding along."""
         params = [p for _, p in self.model.dense_parameters()]
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss_sum.reshape(1)])
+        flat = torch.cat([_flat_grad(params), loss_sum.reshape(1)])
         self.comm.all_reduce_sum_(flat)
-        for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
+        _set_grads(params, flat[:-1])
         return float(flat[-1])
 
     def _sum_expert_grads(self) -> None:
-        keys = self.held_experts()
-        grads = {k: torch.cat([p.grad.reshape(-1) for p in self._expert(k).parameters()])
-                 for k in keys}
+        params = {k: list(self._expert(k).parameters()) for k in self.held_experts()}
+        grads = {k: _flat_grad(ps) for k, ps in params.items()}
         sum_over_replicas(self.sync, grads, self.comm)
-        for k in keys:
-            params = list(self._expert(k).parameters())
-            for p, g in zip(params, grads[k].split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        for k, ps in params.items():
+            _set_grads(ps, grads[k])
 
     def take_loads(self) -> np.ndarray:
         """(layers, experts) global token counts since the last call, then reset."""
@@ -139,23 +136,38 @@ class Engine:
     # --- state for migration ---------------------------------------------------------
 
     def expert_state(self, key: ExpertKey) -> dict[str, torch.Tensor]:
-        """An expert's parameters and AdamW state, by name (``w1_DF``, ``w1_DF.exp_avg``...)."""
-        state = {}
-        for name, p in self._expert(key).named_parameters():
-            state[name] = p.detach().clone()
-            for k, v in self.optimizer.state.get(p, {}).items():
-                state[f"{name}.{k}"] = v.clone()
-        return state
+        """An expert's parameters and AdamW state: ``w1_DF``, ``w1_DF/exp_avg``, ..."""
+        return self._state_of(self._expert(key).named_parameters())
 
     def load_expert_state(self, key: ExpertKey, state: Mapping[str, torch.Tensor]) -> None:
-        for name, p in self._expert(key).named_parameters():
+        self._load_state(self._expert(key).named_parameters(), state)
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """The replicated parameters and their AdamW state, for a worker that joins."""
+        return self._state_of(self.model.dense_parameters())
+
+    def load_dense_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._load_state(self.model.dense_parameters(), state)
+
+    def _state_of(self, named_params) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, p in named_params:
+            state[name] = p.detach().clone()
+            for k, v in self.optimizer.state.get(p, {}).items():
+                state[f"{name}/{k}"] = v.clone()
+        return state
+
+    def _load_state(self, named_params, state: Mapping[str, torch.Tensor]) -> None:
+        for name, p in named_params:
+            if name not in state:
+                raise ValueError(f"state: no tensor for parameter {name}")
             with torch.no_grad():
                 p.copy_(state[name])
-            opt = {k.split(".", 1)[1]: v.clone() for k, v in state.items()
-                   if k.startswith(name + ".")}
+            opt = {k[len(name) + 1:]: v.clone() for k, v in state.items()
+                   if k.startswith(name + "/")}
             if opt:
                 self.optimizer.state[p] = opt
-            else:
+            else:  # a parameter that has not been stepped yet
                 self.optimizer.state.pop(p, None)
 
     def reconfigure(self, plan: Plan, rank: int, comm: Collectives,
@@ -172,10 +184,10 @@ class Engine:
         missing = sorted(wanted - have - set(incoming))
         if missing:
             raise ValueError(f"reconfigure: no state for new experts {missing} (layer, expert)")
-        kept_state = {p: s for p, s in self.optimizer.state.items()}
+        kept_state = dict(self.optimizer.state)
         for layer, e in sorted(have - wanted):
             del self.model.moe_layers()[layer].experts[str(e)]
-        for key in sorted(wanted - have):
+        for key in sorted(wanted - have):  # initial values are overwritten from `incoming`
             layer, e = key
             self.model.moe_layers()[layer].experts[str(e)] = ExpertFFN(
                 self.cfg.model.dim, self.cfg.model.ffn_dim, expert_generator(self.cfg.seed, *key))
@@ -186,6 +198,15 @@ class Engine:
         for key in sorted(wanted - have):
             self.load_expert_state(key, incoming[key])
         self._use_plan(plan, rank, comm)
+
+
+def _flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p))
 
 
 def _check_fits(cfg: RuntimeConfig, plan: Plan, comm: Collectives) -> None:
