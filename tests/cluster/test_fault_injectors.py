@@ -108,3 +108,22 @@ def test_zone_down_with_delete_removes_the_zone(cluster, scratch_nodes):
 
     for node in nodes:
         wait_gone(lambda node=node: core.read_node(node), timeout=10, what=f"node {node} to be deleted")
+
+
+def test_heal_undoes_not_ready_and_spot_notice(cluster, scratch_nodes):
+    core = cluster.core
+    [[node]] = scratch_nodes("gpu-spot").values()
+    pool_taints = set(taints_of(core, node))
+    faults.spot_notice(core, node, "aws")
+    faults.make_not_ready(core, node)
+    wait_until(lambda: NOT_READY_TAINT in taints_of(core, node), timeout=60,
+               what=f"kube-controller-manager to taint {node} {NOT_READY_TAINT}")
+
+    faults.heal_node(core, node)
+
+    wait_until(lambda: node_ready_status(core.read_node(node)) == "True",
+               timeout=30, what=f"node {node} to report Ready again")
+    wait_until(lambda: set(taints_of(core, node)) == pool_taints, timeout=60,
+               what=f"node {node} to carry only its pool's taints again",
+               describe=lambda: str(sorted(taints_of(core, node))))
+    assert not core.read_node(node).spec.unschedulable

@@ -84,31 +84,34 @@ def spot_notice(core: client.CoreV1Api, name: str, style: str) -> client.V1Taint
         raise ValueError(f"unknown spot notice style {style!r}; choose from {sorted(SPOT_NOTICES)}") from None
     value = f"spot-itn-{uuid.uuid4().hex[:12]}" if style == "aws" else None
     taint = client.V1Taint(key=notice.taint_key, value=value, effect=notice.effect)
-    _add_taint(core, name, taint, cordon=notice.cordons)
+    _update_taints(
+        core, name, lambda taints: [t for t in taints if t.key != taint.key] + [taint],
+        unschedulable=True if notice.cordons else None,
+    )
     return taint
 
 
-def _add_taint(core: client.CoreV1Api, name: str, taint: client.V1Taint, *, cordon: bool) -> None:
+def _update_taints(core: client.CoreV1Api, name: str, edit, *, unschedulable: bool | None = None) -> None:
+    """Replace the node's taints with ``edit(taints)``, and set ``unschedulable`` if given."""
     # Taints are one atomic list: write it back with the resourceVersion we read, so a
-    # concurrent change (the node lifecycle controller adds taints too) makes us retry rather
-    # than being overwritten.
+    # concurrent change (the node lifecycle controller adds and removes taints too) makes us
+    # retry rather than being overwritten.
     for _ in range(5):
         node = core.read_node(name)
-        taints = [t for t in node.spec.taints or [] if t.key != taint.key]
-        taints.append(taint)
+        taints = edit(list(node.spec.taints or []))
         body = {
             "metadata": {"resourceVersion": node.metadata.resource_version},
             "spec": {"taints": [core.api_client.sanitize_for_serialization(t) for t in taints]},
         }
-        if cordon:
-            body["spec"]["unschedulable"] = True
+        if unschedulable is not None:
+            body["spec"]["unschedulable"] = unschedulable
         try:
             core.patch_node(name, body)
             return
         except client.ApiException as e:
             if e.status != 409:
                 raise
-    raise RuntimeError(f"node {name} kept changing; could not add taint {taint.key}")
+    raise RuntimeError(f"node {name} kept changing; could not update its taints")
 
 
 def make_not_ready(core: client.CoreV1Api, name: str) -> None:
@@ -148,6 +151,27 @@ def zone_down(core: client.CoreV1Api, zone: str, *, delete: bool = False) -> lis
     return names
 
 
+def heal_node(core: client.CoreV1Api, name: str) -> None:
+    """Undo ``make_not_ready`` and ``spot_notice``: the kubelet reports Ready again, the notice
+    taints go and the node is uncordoned. (Deleted nodes come back with hack/cluster.sh up.)"""
+    node = core.read_node(name)
+    container = _kind_container(node)
+    if container:
+        subprocess.run(
+            ["docker", "exec", container, "systemctl", "start", "kubelet"], check=True, capture_output=True
+        )
+    elif _is_kwok(node):
+        # A JSON merge patch removes a key given as None.
+        core.patch_node(name, {"metadata": {
+            "labels": {KWOK_NOT_READY_LABEL: None},
+            "annotations": dict.fromkeys(KWOK_NOT_READY_ANNOTATIONS),
+        }})
+    else:
+        raise _unsupported(node, "heal")
+    notice_keys = {notice.taint_key for notice in SPOT_NOTICES.values()}
+    _update_taints(core, name, lambda taints: [t for t in taints if t.key not in notice_keys], unschedulable=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hack/fault.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kubeconfig", required=True)
@@ -162,8 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     zone = commands.add_parser("zone-down", help="take every node of a zone down")
     zone.add_argument("zone")
     zone.add_argument("--delete", action="store_true", help="delete the nodes instead of NotReady")
+    commands.add_parser("heal", help="undo not-ready and spot-notice on a node").add_argument("node")
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, client.ApiException) as e:
+        reason = f"{e.status} {e.reason}" if isinstance(e, client.ApiException) else str(e)
+        print(f"{parser.prog} {args.command}: {reason}", file=sys.stderr)
+        return 1
+    return 0
 
+
+def _run(args) -> None:
     from testcluster.kube import core_v1
 
     core = core_v1(args.kubeconfig)
@@ -177,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "evict":
         namespace, _, pod = args.pod.partition("/")
         if not pod:
-            parser.error("evict takes NAMESPACE/POD")
+            raise ValueError(f"evict takes NAMESPACE/POD, got {args.pod!r}")
         evict_pod(core, namespace, pod)
+    elif args.command == "heal":
+        heal_node(core, args.node)
     else:
         print("\n".join(zone_down(core, args.zone, delete=args.delete)))
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def wait_until(
     ``what`` names the awaited condition for the timeout message. ``describe`` (optional)
     reports the state that was last seen, so the failure explains itself.
     """
+    __tracebackhide__ = True  # pytest shows the caller, not this loop
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while True:
