@@ -37,7 +37,7 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD, weights_TK, experts_TK):
         rows_TK, num_tokens_E = bucket_positions(experts_TK, self.num_experts)
-        meta = LocalMeta(rows_TK, weights_TK, num_tokens_E)
+        meta = LocalMeta(rows_TK, weights_TK, num_tokens_E.cpu())
         return permute(x_TD, rows_TK), num_tokens_E.tolist(), meta
 
     def combine(self, y_XD, meta: LocalMeta):
@@ -71,38 +71,39 @@ class ReplicaDispatcher:
         self.local_experts = tuple(int(e) for e in np.flatnonzero(replicas_EW[:, comm.rank]))
         assert self.local_experts, "every rank has slots, so it holds some expert"
         # Expert id -> position among local experts (-1: not held here, never received).
-        local_index_E = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        local_index_E[list(self.local_experts)] = torch.arange(len(self.local_experts))
-        self._local_index_E = local_index_E
+        self._local_index_E = np.full(self.num_experts, -1, dtype=np.int64)
+        self._local_index_E[list(self.local_experts)] = np.arange(len(self.local_experts))
 
     def dispatch(self, x_TD, weights_TK, experts_TK):
-        E, W, me = self.num_experts, self.comm.world_size, self.comm.rank
+        E, W, me, dev = self.num_experts, self.comm.world_size, self.comm.rank, x_TD.device
         expert_rows_TK, num_local_E = bucket_positions(experts_TK, E)
         tokens_WE = self.comm.all_gather(num_local_E)
-        counts_EWW = dispatch_counts(tokens_WE.T.numpy(), self.replicas_EW)
-        send_EW = torch.from_numpy(counts_EWW[:, me, :])
-        recv_WE = torch.from_numpy(counts_EWW[:, :, me].T.copy())
+        # Every rank derives the same (expert, src, dst) counts from the gathered counts.
+        counts_EWW = dispatch_counts(tokens_WE.T.cpu().numpy(), self.replicas_EW)
+        send_EW = counts_EWW[:, me, :]
+        recv_WE = counts_EWW[:, :, me].T
+        send_splits = tuple(send_EW.sum(0).tolist())
+        recv_splits = tuple(recv_WE.sum(1).tolist())
 
         # expert_rows_TK orders this rank's assignments by expert, then token; the first
         # send_EW[e, 0] of expert e go to rank 0, the next send_EW[e, 1] to rank 1, ...
         # Flattened (expert, dst) buckets have exactly that layout, so a search over their
         # running totals finds every assignment's destination.
-        bucket_ends = torch.cumsum(send_EW.reshape(-1), 0)
+        bucket_ends = torch.from_numpy(np.cumsum(send_EW.reshape(-1))).to(dev)
         bucket_TK = torch.searchsorted(bucket_ends, expert_rows_TK, right=True)
         dst_TK = bucket_TK % W
         # The send buffer must be grouped by destination for all_to_all_single.
         send_rows_TK, _ = bucket_positions(dst_TK * E + experts_TK, W * E)
-        send_splits = tuple(send_EW.sum(0).tolist())
-        recv_splits = tuple(recv_WE.sum(1).tolist())
         x_recv = all_to_all_autograd(self.comm, permute(x_TD, send_rows_TK),
                                      recv_splits, send_splits)
 
         # Received rows arrive grouped by (src, expert); the experts want them by expert.
-        recv_experts = torch.arange(E).repeat(W).repeat_interleave(recv_WE.reshape(-1))
-        group_rows_X1, num_rows_L = bucket_positions(
-            self._local_index_E[recv_experts].unsqueeze(1), len(self.local_experts))
+        recv_local_X = torch.from_numpy(np.repeat(np.tile(self._local_index_E, W),
+                                                  recv_WE.reshape(-1))).to(dev)
+        group_rows_X1, num_rows_L = bucket_positions(recv_local_X.unsqueeze(1),
+                                                     len(self.local_experts))
         meta = ReplicaMeta(send_rows_TK, weights_TK, send_splits, recv_splits, group_rows_X1,
-                           tokens_WE.sum(0))
+                           tokens_WE.sum(0).cpu())
         return permute(x_recv, group_rows_X1), num_rows_L.tolist(), meta
 
     def combine(self, y_XD, meta: ReplicaMeta):

@@ -54,11 +54,12 @@ def replica_matrices(plan: Plan) -> list[np.ndarray]:
 
 class Engine:
     def __init__(self, cfg: RuntimeConfig, plan: Plan, rank: int, comm: Collectives,
-                 batches: StepBatches | None = None):
+                 batches: StepBatches | None = None, device: torch.device | str = "cpu"):
         _check_fits(cfg, plan, comm)
         self.cfg = cfg
+        self.device = torch.device(device)
         held = {layer: plan.rank_experts(layer, rank) for layer in range(len(plan.layers))}
-        self.model = MoEGPT(cfg.model, held, cfg.seed)
+        self.model = MoEGPT(cfg.model, held, cfg.seed).to(self.device)
         self.batches = batches or StepBatches.from_config(cfg.data, cfg.model.seq_len,
                                                           cfg.model.vocab)
         # Global tokens per (layer, expert) over completed steps, for rebalancing.
@@ -97,9 +98,9 @@ class Engine:
         batch = self.batches.batch(step, self.rank, self.comm.world_size)
         global_tokens = self.batches.global_batch * self.cfg.model.seq_len
         self.optimizer.zero_grad(set_to_none=True)
-        logits_BSV = self.model(batch.inputs_BS)
-        loss_sum = F.cross_entropy(logits_BSV.flatten(0, 1), batch.targets_BS.flatten(),
-                                   reduction="sum")
+        logits_BSV = self.model(batch.inputs_BS.to(self.device))
+        loss_sum = F.cross_entropy(logits_BSV.flatten(0, 1),
+                                   batch.targets_BS.to(self.device).flatten(), reduction="sum")
         (loss_sum / global_tokens).backward()
         # An expert that saw no tokens still takes its (zero-gradient) AdamW step, on every
         # replica and in every world size alike.
@@ -190,7 +191,8 @@ class Engine:
         for key in sorted(wanted - have):  # initial values are overwritten from `incoming`
             layer, e = key
             self.model.moe_layers()[layer].experts[str(e)] = ExpertFFN(
-                self.cfg.model.dim, self.cfg.model.ffn_dim, expert_generator(self.cfg.seed, *key))
+                self.cfg.model.dim, self.cfg.model.ffn_dim, expert_generator(self.cfg.seed, *key)
+            ).to(self.device)
         self.optimizer = self._new_optimizer()
         for p in self.model.parameters():
             if p in kept_state:

@@ -16,12 +16,15 @@ from .collectives import Collectives
 
 
 def join_generation(store: dist.Store, generation: int, rank: int, world_size: int,
-                    timeout_s: float = 60.0,
-                    interrupted: Callable[[], bool] = lambda: False) -> Collectives:
-    """Initialise the default gloo group for ``generation`` and wrap it for a training step."""
+                    timeout_s: float = 60.0, interrupted: Callable[[], bool] = lambda: False,
+                    backend: str = "gloo") -> Collectives:
+    """Initialise the default group for ``generation`` and wrap it for a training step.
+
+    gloo serves CPU tensors (the tests, the local demo); CUDA tensors need ``nccl``.
+    """
     if world_size == 1:
         return Collectives.single()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"lazarus/gen{generation}", store),
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lazarus/gen{generation}", store),
                             rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return Collectives(dist.group.WORLD, rank, world_size, timeout_s, interrupted)
