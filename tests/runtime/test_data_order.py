@@ -1,6 +1,9 @@
 """The data order depends on the step alone, so any world size trains on the same samples."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -72,3 +75,21 @@ def test_from_config_uses_the_generated_corpus_by_default():
     data = StepBatches.from_config(DataConfig(global_batch=4, generated_tokens=3_000), SEQ, 256)
     assert data.num_samples == (3_000 - 1) // SEQ
     assert data.batch(0, 0, 1).inputs_BS.shape == (4, SEQ)
+
+
+def test_hugging_face_datasets_are_fetched_once_and_cached_as_bytes(tmp_path, monkeypatch):
+    # A stand-in for the optional `datasets` package: no network in tests.
+    calls = []
+
+    class FakeDatasets:
+        @staticmethod
+        def load_dataset(name, subset, split):
+            calls.append((name, subset, split))
+            return [{"text": "ab"}, {"text": "c"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
+    monkeypatch.setattr(Path, "home", lambda: tmp_path)
+    for _ in range(2):
+        tokens = open_tokens("hf:org/wiki:raw", vocab=256, seed=0, generated_tokens=0)
+        assert bytes(tokens) == b"abc"
+    assert calls == [("org/wiki", "raw", "train")]
