@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--slots", type=int, help="expert slots per GPU c (default 6)")
     p.add_argument("--min-replicas", type=int, help="fault-tolerance threshold f (default 2)")
     p.add_argument("--policy", help="placement policy: mro, spread or compact")
-    p.add_argument("--loads", help="zipf:S (default zipf:0.5)")
+    p.add_argument("--loads", help="zipf:S (default zipf:0.4)")
     p.add_argument("--mtbf", type=float, help="exponential failures at this MTBF in seconds")
     p.add_argument("--replace", type=float, help="seconds until a lost node is replaced")
     p.add_argument("--trace", help="a spot trace: aws-g4dn, aws-p2, synthetic-spot, or a CSV path "

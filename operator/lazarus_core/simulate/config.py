@@ -2,7 +2,7 @@
 
     model: gpt-l                     # a preset, or {preset: gpt-l, step_s: 1.2, ...}
     cluster: {nodes: 10, gpus_per_node: 1, slots_per_gpu: 6, min_replicas: 2, policy: mro}
-    loads: zipf:0.5                  # or per-expert loads, or one list per layer
+    loads: zipf:0.4                  # or per-expert loads, or one list per layer
     trace: {kind: mtbf, mtbf_s: 300, replace_s: 120, duration_s: 4800, notice_s: 0}
     seeds: 3                         # traces per run (seeds 0..n-1); results are averaged
     costs: {rebuild_s: 18, restart_s: 60, ...}
@@ -32,6 +32,9 @@ from .trace import Trace, exponential, from_availability, read_availability, rea
 from .settings import checked, mapping, override
 from .workload import PRESETS, Costs, ModelSpec
 
+# Skew that reproduces the paper's no-failure GPT-M result (45 vs 34 samples/s): the hottest
+# of 12 experts gets 2.6x the coldest's tokens.
+DEFAULT_LOADS = "zipf:0.4"
 _TRACE_FIELDS = {
     "mtbf": {"mtbf_s": 300.0, "replace_s": 120.0, "notice_s": 0.0, "zones": 1,
              "duration_s": 4800.0},
@@ -91,7 +94,7 @@ def parse(data: dict) -> SimConfig:
     if cluster["policy"] not in POLICIES:
         raise ValueError(f"cluster.policy: must be one of {', '.join(POLICIES)}, "
                          f"got {cluster['policy']!r}")
-    loads = data.get("loads", "zipf:0.5")
+    loads = data.get("loads", DEFAULT_LOADS)
     if isinstance(loads, list):
         loads = _loads_from_list(loads, model)
     elif isinstance(loads, str) and loads.startswith("zipf:"):

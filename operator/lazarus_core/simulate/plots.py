@@ -9,8 +9,7 @@ from .scenario import Summary
 from .strategies import TITLES
 
 _COLORS = {"lazarus": "tab:red", "checkpoint_restart": "tab:blue", "elastic_restart": "tab:green",
-           "mro": "tab:red", "spread": "tab:orange", "compact": "tab:gray",
-           "expert_parallel": "tab:blue"}
+           "mro": "tab:red", "spread": "tab:orange", "compact": "tab:gray"}
 _CATEGORY_COLORS = dict(zip(CATEGORIES, ("tab:green", "tab:purple", "tab:blue", "tab:orange",
                                          "tab:gray", "tab:red")))
 
@@ -59,16 +58,19 @@ def recovery(curves: dict[str, Sequence[float]], title: str, path: Path) -> Path
 
 def throughput_vs_skew(ratios: Sequence[float], series: dict[str, Sequence[float]], title: str,
                        path: Path) -> Path:
-    """Samples/s with no failures as the expert load ratio grows (Fig. 10a)."""
+    """Samples/s with no failures as the expert load ratio grows, a line per label (Fig. 10a).
+
+    Labels ending in "Lazarus" are drawn solid, the others dashed.
+    """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    names = {"lazarus": "Lazarus", "expert_parallel": "DeepSpeed (expert parallel)"}
-    for name, ys in series.items():
-        ax.plot(ratios, ys, marker="o", label=names[name], color=_COLORS[name])
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, ys in series.items():
+        ax.plot(ratios, ys, marker="o", label=label,
+                linestyle="-" if label.endswith("Lazarus") else "--")
     ax.set(title=title, xlabel="load ratio, hottest : coldest expert", ylabel="samples / s",
            ylim=(0, None))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -10,11 +10,9 @@
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..migration import Migration
 from ..plan import Plan
 from ..solver import plan_job, replan
 from ..topology import NodeSpec
@@ -25,6 +23,14 @@ from .workload import Costs, ModelSpec
 STRATEGIES = ("lazarus", "checkpoint_restart", "elastic_restart")
 # Display names, after the systems the paper compares.
 TITLES = {"lazarus": "Lazarus", "checkpoint_restart": "DeepSpeed", "elastic_restart": "DS(FT)"}
+
+
+def feasible_min_replicas(f: int, nodes: Sequence[NodeSpec], experts: int) -> int:
+    """f, lowered as far as 1 while there are too few slots for f replicas of each expert.
+
+    0 means the nodes cannot hold one replica of every expert.
+    """
+    return min(f, sum(n.slots for n in nodes) // experts)
 
 
 class _ExpertParallel(Job):
@@ -103,6 +109,7 @@ class Lazarus(Job):
         # Why to re-plan at the next step boundary (NodeJoined, SpotNotice), if at all.
         self.pending: str | None = None
         self.rebalanced_step = 0
+        self._balanced: Plan | None = None  # the last plan a rebalance found nothing to gain on
         self._step_cache: dict[int, float] = {}
 
     # --- throughput -------------------------------------------------------------------
@@ -175,8 +182,8 @@ class Lazarus(Job):
         self.counts["reconfigurations"] += 1
         self.counts["experts_migrated"] += step.migration.experts_migrated
         self.members = self._plan_nodes(step.plan)
-        self.begin("reconfiguration", self.costs.rebuild_s + self.transfer_s(step.migration),
-                   lambda: self._commit(step.plan))
+        cost = self.costs.rebuild_s + self.costs.migration_s(self.model, step.migration)
+        self.begin("reconfiguration", cost, lambda: self._commit(step.plan))
 
     def _restore(self, plan: Plan) -> None:
         """Some expert has no replica left: every rank reloads the last checkpoint."""
@@ -190,25 +197,21 @@ class Lazarus(Job):
         """Re-allocate replicas to the measured loads when the faster steps repay the move."""
         self.rebalanced_step = self.step
         self.known_loads = self.loads
+        if self.plan is self._balanced:
+            return  # loads are fixed in a simulation: the answer would not change
+        self._balanced = self.plan
         nodes = self._plan_nodes(self.plan)
         step = replan(self.plan, nodes, "Rebalance", self._names(self.plan), loads=self.loads,
                       max_failures=0)
-        cost = self.costs.rebuild_s + self.transfer_s(step.migration)
+        if not step.migration.transfers:
+            return
+        cost = self.costs.rebuild_s + self.costs.migration_s(self.model, step.migration)
         before = self.step_seconds()
         after = step_seconds(self.model, lazarus_imbalance(step.plan, self.loads))
-        if not step.migration.transfers:
-            self._commit(step.plan)
-        elif (before - after) * self.rebalance_every > cost:
+        if (before - after) * self.rebalance_every > cost:
             self.counts["rebalances"] += 1
             self.counts["experts_migrated"] += step.migration.experts_migrated
             self.begin("reconfiguration", cost, lambda: self._commit(step.plan))
-
-    def transfer_s(self, migration: Migration) -> float:
-        """Transfers run in parallel; the node that sends or receives the most sets the time."""
-        sent = Counter(t.source for t in migration.transfers)
-        received = Counter(t.destination for t in migration.transfers)
-        busiest = max([*sent.values(), *received.values()], default=0)
-        return busiest * self.model.expert_mb / 1000 / self.costs.link_gb_per_s
 
     def _commit(self, plan: Plan) -> None:
         self.plan = plan
@@ -217,11 +220,7 @@ class Lazarus(Job):
     # --- helpers ----------------------------------------------------------------------
 
     def _min_replicas(self, nodes: list[NodeSpec]) -> int:
-        """f, lowered as far as 1 while there are too few slots for f replicas of each expert.
-
-        0 means the nodes cannot hold one replica of every expert.
-        """
-        return min(self.min_replicas, sum(n.slots for n in nodes) // self.model.experts)
+        return feasible_min_replicas(self.min_replicas, nodes, self.model.experts)
 
     def _plan_nodes(self, plan: Plan) -> list[NodeSpec]:
         by_name = {**self.alive}

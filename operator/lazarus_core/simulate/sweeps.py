@@ -31,15 +31,18 @@ def recovery_curves(model: ModelSpec, nodes: list[NodeSpec], min_replicas: int,
 
 def throughput_vs_skew(model: ModelSpec, nodes: list[NodeSpec], min_replicas: int,
                        ratios: Sequence[float]) -> dict[str, list[float]]:
-    """Samples per second with no failures as the hottest:coldest expert load ratio grows."""
+    """Samples per second with no failures as the hottest:coldest expert load ratio grows.
+
+    Keys: "Lazarus" (MRO plan for those loads) and "DeepSpeed" (standard expert parallelism).
+    """
     world = sum(n.gpus for n in nodes)
     per_step = world * model.batch_per_gpu
-    out: dict[str, list[float]] = {"lazarus": [], "expert_parallel": []}
+    out: dict[str, list[float]] = {"Lazarus": [], "DeepSpeed": []}
     for r in ratios:
         loads = [ratio_loads(model.experts, r)] * model.layers
         plan = plan_job(nodes, model.experts, model.layers, min_replicas, "mro", loads=loads,
                         max_failures=0)
-        out["lazarus"].append(per_step / step_seconds(model, lazarus_imbalance(plan, loads)))
-        out["expert_parallel"].append(
+        out["Lazarus"].append(per_step / step_seconds(model, lazarus_imbalance(plan, loads)))
+        out["DeepSpeed"].append(
             per_step / step_seconds(model, expert_parallel_imbalance(loads)))
     return out

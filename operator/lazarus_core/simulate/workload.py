@@ -6,7 +6,10 @@ stated in docs/reproduction; every one can be overridden from a config file.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+
+from ..migration import Migration
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,9 @@ class Costs:
         """A full job restart: new processes, then the checkpoint read back."""
         return self.restart_s + self.load_s(model)
 
+    def migration_s(self, model: ModelSpec, migration: Migration) -> float:
+        """Transfers run in parallel; the node that sends or receives the most sets the time."""
+        sent = Counter(t.source for t in migration.transfers)
+        received = Counter(t.destination for t in migration.transfers)
+        busiest = max([*sent.values(), *received.values()], default=0)
+        return busiest * model.expert_mb / 1000 / self.link_gb_per_s

@@ -1,0 +1,394 @@
+"""The paper reproduction: `lazarus simulate --reproduce DIR` writes DIR/README.md and figures.
+
+Every number in the report is computed here, on our solver and simulator, beside the number
+the paper reports (paper-notes.md). The prose that explains the differences is fixed text;
+the numbers it refers to are filled in from the runs.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..solver import plan_job, replan
+from . import config, plots, scenario, sweeps
+from .progress import Progress
+from .strategies import TITLES, feasible_min_replicas
+from .throughput import expert_parallel_imbalance, lazarus_imbalance, step_seconds
+from .workload import PRESETS, Costs
+
+SEEDS = 8
+DURATION_S = 4800  # 80 minutes, the length of the paper's spot-trace run
+REPLACE_S = 120  # a replacement spot VM boots and joins two minutes after a loss
+SPOT = {"kind": "availability", "path": "aws-g4dn", "start_s": 21600.0, "scale_to": 10,
+        "duration_s": float(DURATION_S)}
+SKEW_RATIOS = [1, 1.5, 2, 2.5, 3, 3.5, 4]
+RECONFIG_DRAWS = 20  # random failure sets per Table 2 row
+
+# Paper numbers (paper-notes.md), keyed like our rows. None: the paper gives no number.
+PAPER_MTBF = {  # (model, mtbf_s) -> (vs DeepSpeed, vs DS(FT))
+    ("gpt-s", 300): (2.8, 1.4), ("gpt-l", 300): (5.7, 2.8),
+    ("gpt-s", 2400): (1.6, None), ("gpt-l", 2400): (2.3, None),
+}
+PAPER_SPOT = {"gpt-s": (2.3, 1.2), "gpt-l": (3.4, 1.8)}
+PAPER_RECOVERY_K4 = {"mro": 0.41, "spread": 0.12, "compact": 0.0}
+PAPER_RECONFIG = [  # model, nodes lost, reconfig s, experts migrated, transfer s (Table 2)
+    ("gpt-s", 2, 21.3, 11, 2.3), ("gpt-s", 3, 34.1, 52, 3.0),
+    ("gpt-l", 4, 18.2, 160, 7.6), ("gpt-l", 5, 19.7, 55, 7.8),
+]
+# Our own reconfiguration: the controller sees the loss (no collective timeout to wait out)
+# and the runtime regroups in-process (design.md measured 13-30 ms); 2 s leaves room for the
+# plan round trip through the API server.
+OUR_REBUILD_S = 2.0
+
+
+def cfg_for(model: str, trace: dict, seeds: int = SEEDS, lazarus: dict | None = None,
+            costs: dict | None = None) -> config.SimConfig:
+    return config.parse({"model": model, "trace": trace, "seeds": seeds,
+                         "strategies": {"lazarus": lazarus or {}}, "costs": costs or {}})
+
+
+def mtbf_trace(mtbf_s: float, notice_s: float = 0.0) -> dict:
+    return {"kind": "mtbf", "mtbf_s": float(mtbf_s), "replace_s": float(REPLACE_S),
+            "duration_s": float(DURATION_S), "notice_s": notice_s}
+
+
+@dataclass
+class Run:
+    cfg: config.SimConfig
+    results: dict
+    summaries: dict
+
+    def ratio(self, baseline: str) -> float:
+        return scenario.ratio(self.summaries, "lazarus", baseline)
+
+
+def simulate(cfg: config.SimConfig, progress: Progress) -> Run:
+    results = scenario.run(cfg, progress.tick)
+    return Run(cfg, results, scenario.summarise(results))
+
+
+def write(out: Path, progress: bool = True) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    mtbf_cases = [(m, s) for m in ("gpt-s", "gpt-l") for s in (300, 2400)]
+    variants = [("gpt-l", 300)]
+    total = 3 * SEEDS * (len(mtbf_cases) + 2 * len(variants) + 2 * 2)
+    bar = Progress(total, "reproducing", enabled=progress and sys.stderr.isatty())
+
+    mtbf = {case: simulate(cfg_for(case[0], mtbf_trace(case[1])), bar) for case in mtbf_cases}
+    spot = {m: simulate(cfg_for(m, SPOT), bar) for m in ("gpt-s", "gpt-l")}
+    ours = {
+        "fast rebuild": simulate(cfg_for("gpt-l", mtbf_trace(300),
+                                         costs={"rebuild_s": OUR_REBUILD_S}), bar),
+        "fast rebuild + 120 s spot notices": simulate(cfg_for(
+            "gpt-l", mtbf_trace(300, notice_s=120.0), lazarus={"use_notices": True},
+            costs={"rebuild_s": OUR_REBUILD_S}), bar),
+    }
+    spot_notice = {m: simulate(cfg_for(m, {**SPOT, "notice_s": 120.0},
+                                       lazarus={"use_notices": True},
+                                       costs={"rebuild_s": OUR_REBUILD_S}), bar)
+                   for m in ("gpt-s", "gpt-l")}
+
+    figures = _figures(out, mtbf, spot)
+    text = _report(mtbf, spot, ours, spot_notice, figures)
+    path = out / "README.md"
+    path.write_text(text)
+    return path
+
+
+# --- figures ------------------------------------------------------------------------------
+
+def _first(run: Run) -> dict:
+    return {name: runs[0] for name, runs in run.results.items()}
+
+
+def _figures(out: Path, mtbf: dict, spot: dict) -> dict:
+    nodes = sweeps.cluster_nodes(10, 6)
+    gpt_l = PRESETS["gpt-l"]
+    loads_l = cfg_for("gpt-l", mtbf_trace(300), seeds=1).loads
+    recovery = sweeps.recovery_curves(gpt_l, nodes, 2, loads_l, 8)
+    skew = {m: sweeps.throughput_vs_skew(PRESETS[m], nodes, 2, SKEW_RATIOS)
+            for m in ("gpt-s", "gpt-m", "gpt-l")}
+    series = {f"{PRESETS[m].name} {who}": ys for m, s in skew.items() for who, ys in s.items()}
+    files = {
+        "mtbf": plots.samples_over_time(
+            {f"{PRESETS[m].name}, MTBF {s // 60} min (seed 0)": _first(run)
+             for (m, s), run in mtbf.items()}, out / "samples_mtbf.png"),
+        "spot": plots.samples_over_time(
+            {f"{PRESETS[m].name}, AWS g4dn spot trace (seed 0)": _first(run)
+             for m, run in spot.items()}, out / "samples_spot.png"),
+        "recovery": plots.recovery(recovery, "GPT-L, 10 nodes x 6 slots, f=2",
+                                   out / "recovery.png"),
+        "skew": plots.throughput_vs_skew(SKEW_RATIOS, series, "no failures, 10 GPUs",
+                                         out / "throughput_vs_skew.png"),
+        "breakdown": plots.time_breakdown(
+            {PRESETS[m].name: run.summaries for m, run in spot.items()},
+            out / "time_breakdown_spot.png"),
+    }
+    return {"files": files, "recovery": recovery, "skew": skew}
+
+
+# --- the report ---------------------------------------------------------------------------
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}×"
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _reconfig_rows() -> list[list[str]]:
+    """Table 2 on our solver: a rebalanced plan loses k random nodes, re-plans and migrates."""
+    rows = []
+    costs = Costs()
+    rng = np.random.default_rng(0)
+    nodes = sweeps.cluster_nodes(10, 6)
+    for model_name, lost, paper_total, paper_migrated, paper_transfer in PAPER_RECONFIG:
+        cfg = cfg_for(model_name, mtbf_trace(300), seeds=1)
+        old = plan_job(nodes, cfg.model.experts, cfg.model.layers, 2, "mro", loads=cfg.loads,
+                       max_failures=0)
+        migrated, transfer, recovered = [], [], 0
+        for _ in range(RECONFIG_DRAWS):
+            gone = set(rng.choice(len(nodes), lost, replace=False).tolist())
+            survivors = [n for i, n in enumerate(nodes) if i not in gone]
+            f = feasible_min_replicas(2, survivors, cfg.model.experts)
+            step = replan(replace(old, min_replicas=f), survivors, "NodeLost",
+                          {n.name for n in survivors}, loads=cfg.loads, max_failures=0)
+            if step.migration.recoverable:
+                recovered += 1
+                migrated.append(step.migration.experts_migrated)
+                transfer.append(costs.migration_s(cfg.model, step.migration))
+        mean_transfer = float(np.mean(transfer)) if transfer else float("nan")
+        rows.append([f"{cfg.model.name}, {lost} lost", f"{paper_migrated}",
+                     f"{np.mean(migrated):.0f}" if migrated else "—", f"{paper_transfer:.1f}",
+                     f"{mean_transfer:.1f}", f"{paper_total:.1f}",
+                     f"{costs.rebuild_s + mean_transfer:.1f}",
+                     f"{recovered}/{RECONFIG_DRAWS}"])
+    return rows
+
+
+def _breakdown_rows(runs: dict) -> list[list[str]]:
+    rows = []
+    for label, run in runs.items():
+        for name, s in run.summaries.items():
+            f = s.fractions
+            rows.append([label, TITLES[name], _pct(f["compute"]), _pct(f["reconfiguration"]),
+                         _pct(f["checkpoint"]), _pct(f["restart"]), _pct(f["waiting"]),
+                         _pct(f["lost"])])
+    return rows
+
+
+def _report(mtbf, spot, ours, spot_notice, figures) -> str:
+    files = {k: p.name for k, p in figures["files"].items()}
+    costs = Costs()
+    nodes = sweeps.cluster_nodes(10, 6)
+    m = PRESETS["gpt-m"]
+    cfg_m = cfg_for("gpt-m", mtbf_trace(300), seeds=1)
+    plan_m = plan_job(nodes, m.experts, m.layers, 2, "mro", loads=cfg_m.loads, max_failures=0)
+    laz_m = 40 / step_seconds(m, lazarus_imbalance(plan_m, cfg_m.loads))
+    ds_m = 40 / step_seconds(m, expert_parallel_imbalance(cfg_m.loads))
+
+    lines = [
+        "# Reproducing the Lazarus paper's results on our solver",
+        "",
+        "Generated by `lazarus simulate --reproduce docs/reproduction`; do not edit by hand.",
+        "Every run uses our placement solver (`lazarus_core.solver`: allocation, MRO, optimal",
+        "node mapping, migration planning) inside the discrete-event simulator",
+        "(`lazarus_core.simulate`). The paper's numbers come from its testbed; ours come from a",
+        "model of it whose assumptions are listed at the end. Ratios are samples trained by",
+        f"Lazarus over samples trained by the baseline, mean of {SEEDS} traces each.",
+        "",
+        "## Goodput under failures at a fixed MTBF (paper Fig. 6, 7)",
+        "",
+        f"Exponential failures over the whole 10-node cluster, {DURATION_S // 60} minutes, a",
+        f"replacement node joining {REPLACE_S} s after each loss.",
+        "",
+    ]
+    rows = []
+    for (model, mtbf_s), run in mtbf.items():
+        paper = PAPER_MTBF[(model, mtbf_s)]
+        s = run.summaries
+        rows.append([PRESETS[model].name, f"{mtbf_s // 60} min",
+                     f"{s['lazarus'].samples:,.0f}", f"{s['checkpoint_restart'].samples:,.0f}",
+                     f"{s['elastic_restart'].samples:,.0f}",
+                     _x(run.ratio("checkpoint_restart")), _x(paper[0]),
+                     _x(run.ratio("elastic_restart")), _x(paper[1])])
+    lines += _table(["model", "MTBF", "Lazarus samples", "DeepSpeed", "DS(FT)",
+                     "vs DeepSpeed", "paper", "vs DS(FT)", "paper"], rows)
+    lines += ["", f"![samples over time]({files['mtbf']})", ""]
+
+    lines += [
+        "## Goodput on a real spot trace (paper Fig. 9)",
+        "",
+        "The g4dn.xlarge trace in us-east-1c (`aws-spot-g4dn-xlarge-us-east-1c-2020-11-20.csv`,",
+        "real AWS measurements published by the Bamboo project, NSDI '23), 80 minutes from",
+        "second 21600, its peak of 12 instances scaled to our 10 nodes. Which node a drop",
+        "takes is random (the trace has counts only), so the seeds vary the victims.",
+        "",
+    ]
+    rows = []
+    for model, run in spot.items():
+        paper = PAPER_SPOT[model]
+        restores = run.summaries["lazarus"].counts.get("restores", 0)
+        rows.append([PRESETS[model].name, _x(run.ratio("checkpoint_restart")), _x(paper[0]),
+                     _x(run.ratio("elastic_restart")), _x(paper[1]), f"{restores:.2g}"])
+    lines += _table(["model", "vs DeepSpeed", "paper", "vs DS(FT)", "paper",
+                     "Lazarus checkpoint restores per run (paper: 1)"], rows)
+    lines += ["", f"![samples over time on the spot trace]({files['spot']})", "",
+              "Where the time went on the spot trace (paper Fig. 11: Lazarus under 10% on",
+              "reconfiguration; DeepSpeed over half checkpointing and restarting; DS(FT) 27% on",
+              "restarts for GPT-L):", ""]
+    lines += _table(["model", "strategy", "compute", "reconfiguration", "checkpoint",
+                     "restart", "waiting", "lost (redone)"],
+                    _breakdown_rows({PRESETS[m].name: run for m, run in spot.items()}))
+    lines += ["", f"![time breakdown]({files['breakdown']})", ""]
+
+    rec = figures["recovery"]
+    lines += [
+        "## Recovery probability (paper Fig. 8)",
+        "",
+        "GPT-L, 10 nodes x 6 slots, f = 2, replicas allocated to the skewed loads below; the",
+        "probability that the whole model (all 12 layers) survives k random node failures.",
+        "",
+    ]
+    lines += _table(["k failed"] + list(rec) + ["paper at k = 4"],
+                    [[str(k)] + [f"{rec[p][k - 1]:.2f}" for p in rec]
+                     + (["MRO 0.41, spread 0.12, compact 0"] if k == 4 else [""])
+                     for k in range(1, len(rec["mro"]) + 1)])
+    lines += ["", f"![recovery]({files['recovery']})", ""]
+
+    skew = figures["skew"]
+    lines += [
+        "## Throughput under load skew (paper Fig. 10a)",
+        "",
+        "No failures, 10 GPUs. Expert loads rise geometrically from the coldest to the hottest",
+        "expert; the ratio is hottest : coldest. Samples per second:",
+        "",
+    ]
+    header = ["ratio"] + [f"{PRESETS[m].name} {who}" for m in skew for who in skew[m]]
+    lines += _table(header, [[f"{r:g}:1"] + [f"{skew[m][who][i]:.1f}" for m in skew
+                                              for who in skew[m]]
+                             for i, r in enumerate(SKEW_RATIOS)])
+    lines += ["", f"Without failures, GPT-M at the default skew: Lazarus {laz_m:.1f} samples/s,",
+              f"DeepSpeed {ds_m:.1f} (paper: 45 and 34).", "",
+              f"![throughput vs skew]({files['skew']})", ""]
+
+    lines += [
+        "## Reconfiguration cost (paper Table 2)",
+        "",
+        f"Our solver re-planning a rebalanced plan after losing k random nodes ({RECONFIG_DRAWS}",
+        f"draws; means over the recoverable ones), timed with the cost model",
+        f"({costs.rebuild_s:g} s fixed + the busiest node's transfers at {costs.link_gb_per_s:g} GB/s).",
+        "The paper's rows are single events at steps 200 and 4000 of real runs.",
+        "",
+    ]
+    lines += _table(["case", "paper migrated", "ours migrated", "paper transfer s",
+                     "ours transfer s", "paper total s", "ours total s", "recoverable draws"],
+                    _reconfig_rows())
+
+    lines += [
+        "",
+        "## Beyond the paper: reacting sooner",
+        "",
+        f"The same GPT-L runs with our reconfiguration ({OUR_REBUILD_S:g} s fixed instead of 18 s:",
+        "the controller sees a lost node instead of waiting for a collective timeout, and the",
+        "runtime regroups in-process), and with 120 s spot notices used to migrate off a node",
+        "before it goes.",
+        "",
+    ]
+    rows = [["GPT-L, MTBF 5 min, paper costs", _x(mtbf[("gpt-l", 300)].ratio("checkpoint_restart")),
+             _x(mtbf[("gpt-l", 300)].ratio("elastic_restart")),
+             _pct(mtbf[("gpt-l", 300)].summaries["lazarus"].fractions["compute"])]]
+    rows += [[f"GPT-L, MTBF 5 min, {label}", _x(run.ratio("checkpoint_restart")),
+              _x(run.ratio("elastic_restart")),
+              _pct(run.summaries["lazarus"].fractions["compute"])] for label, run in ours.items()]
+    rows += [[f"{PRESETS[m].name}, spot trace, fast rebuild + 120 s notices",
+              _x(run.ratio("checkpoint_restart")), _x(run.ratio("elastic_restart")),
+              _pct(run.summaries["lazarus"].fractions["compute"])]
+             for m, run in spot_notice.items()]
+    lines += _table(["case", "vs DeepSpeed", "vs DS(FT)", "Lazarus time computing"], rows)
+    lines += ["", *_WHY.splitlines(), "", *_assumptions(costs).splitlines(), ""]
+    return "\n".join(lines)
+
+
+_WHY = """## Where we differ from the paper, and why
+
+- **Lazarus beats both baselines everywhere, by more at a 5-minute MTBF than at 40, and by
+  more for GPT-L than for GPT-S against DeepSpeed**: the paper's direction holds.
+- **Against DeepSpeed our ratios are lower than the paper's, most of all for GPT-L at a
+  5-minute MTBF.** The DeepSpeed baseline is dominated by two numbers the paper does not
+  report: how long a replacement node takes to arrive (we assume 2 minutes) and how long a
+  full restart takes (we assume 60 s plus reading the checkpoint back). Any longer wait or
+  restart on the paper's testbed widens the gap; GPT-L, with the larger checkpoint, is hit
+  hardest, which is the paper's pattern too.
+- **Against DS(FT), GPT-L matches the paper and GPT-S comes out higher.** Our DS(FT) grows
+  back into each replacement node with a second restart right after its next checkpoint;
+  the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps that extra
+  restart weighs more than the work it wins back.
+- **Checkpoint restores on the spot trace.** Our 80-minute window has several mass drops
+  (12 instances to 5, and down to 2), so losing 6 of 10 nodes at once often takes every
+  replica of some GPT-L expert; the paper's trace needed one restore. When 2 nodes are
+  left, GPT-L's 16 experts do not fit in 12 slots, so Lazarus and DS(FT) both wait.
+- **Recovery probability is higher than the paper's for MRO and spread alike.** The paper
+  placed replicas from the loads it measured at step 200, which we do not have; we use a
+  Zipf skew fitted to its GPT-M throughput result. Stronger skew leaves more experts at the
+  minimum of 2 replicas and lowers every curve. The ordering holds: MRO at or above spread
+  at every k, compact far below (our MRO scores its candidates by exact recovery and never
+  returns one worse than spread or compact).
+- **More experts migrate per reconfiguration than in Table 2.** After a loss our solver
+  re-allocates replicas to the smaller slot count in every layer and maps nodes by optimal
+  assignment; the paper's counts come from its own loads and greedy mapping. The fixed
+  rebuild dominates either way, which is why cutting it (next section) matters more.
+- **With equal loads, GPT-L on Lazarus is slower than DeepSpeed (the 1:1 row).** 60 slots
+  cannot give 16 experts equal replica counts (twelve get 4, four get 3), and MRO nests the
+  four 3-replica experts on the same first three nodes, so those ranks compute about 15%
+  more tokens than the mean while DeepSpeed is perfectly balanced. The paper does not show
+  this case. Choosing which slots of MRO's node sets hold which expert by per-rank load
+  would remove it without changing recovery: a solver improvement, not made here.
+- **Throughput under skew stays flat for Lazarus** because Algorithm 1 fills every replica
+  to t_e / r_e (balanced by construction), so the busiest rank's tokens depend only on how
+  closely replica counts can follow loads in N·c slots. DeepSpeed's busiest rank computes
+  the hottest expert's tokens, so its throughput falls as 1 / (1 − φ + φ·max/mean)."""
+
+
+def _assumptions(costs: Costs) -> str:
+    models = "\n".join(
+        f"| {m.name} | {m.experts} | {m.expert_mb:g} MB | {m.state_gb:.1f} GB | {m.step_s:g} s "
+        f"| {m.expert_fraction:g} |" for m in PRESETS.values())
+    return f"""## Assumptions
+
+| model | experts | per expert (paper) | full state | step at balance | expert share φ |
+|---|---|---|---|---|---|
+{models}
+
+- Cluster: the paper's 10 GPUs as 10 nodes, c = 6 slots, f = 2, MRO, 4 samples per GPU per
+  step. A step's expert share φ waits for the busiest rank:
+  step = step_at_balance × (1 − φ + φ × imbalance).
+- Step time: the paper's GPT-M runs 45 samples/s on 10 GPUs × 4 samples, 0.89 s a step;
+  GPT-S and GPT-L are scaled by active parameters. Full state = expert state from the
+  paper's MB per expert + dense parameters × 16 bytes.
+- Loads: {config.DEFAULT_LOADS} in every layer, the skew at which our throughput model gives
+  the paper's no-failure GPT-M ratio (45 : 34). Lazarus starts from uniform loads and
+  rebalances at step 200 (then every 200 steps, when the gain repays the move).
+- Checkpoints: DeepSpeed every 50 steps, DS(FT) and Lazarus every 250 (the paper's
+  intervals; Lazarus's is not stated, we give it DS(FT)'s). Writing one takes full state /
+  {costs.checkpoint_gb_per_s:g} GB/s; reading it back full state / {costs.restore_gb_per_s:g} GB/s.
+- Restart (baselines): {costs.restart_s:g} s to relaunch processes and rebuild communicators,
+  plus reading the checkpoint. DeepSpeed waits for a full 10-node world; DS(FT) restarts on
+  whatever is alive and grows back into new nodes right after its next checkpoint.
+- Lazarus reconfiguration: {costs.rebuild_s:g} s fixed (paper Table 2: 20–40 s total, minus
+  2–8 s of transfers) plus the migration plan's busiest node at {costs.link_gb_per_s:g} GB/s
+  (the paper's GPT-L row moved 160 experts, 18 GB, in 7.6 s: about 0.4 GB/s per survivor).
+  An unrecoverable loss costs the fixed part plus reading the checkpoint, and the steps
+  since it. A failure redoes the step in flight.
+- Baselines use standard expert parallelism: the busiest rank computes the hottest
+  expert's tokens (a capacity factor that pads to it costs the same; a smaller one drops
+  tokens, which changes the model rather than the step time and is not modelled)."""
