@@ -42,6 +42,7 @@ def waits(rank: int, comm: Collectives) -> dict:
 @pytest.mark.timeout(90)
 def test_waits_are_interruptible_and_bounded():
     rank0, _ = run_gloo(waits, world_size=2, timeout_s=60)
-    # Generous upper bounds: the machine is shared; without the bound rank 0 would wait the peer's 3 s.
+    # Generous upper bounds, as the machine is shared: without the bound, rank 0 would
+    # wait out the peer's 3 s.
     assert 0.3 <= rank0["interrupted_after"] < 1.5
     assert 0.5 <= rank0["timed_out_after"] < 1.8
