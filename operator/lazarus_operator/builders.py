@@ -81,7 +81,7 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         "command": list(t.get("command", DEFAULT_COMMAND)),
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": WORKER_PORT}],
-        "resources": dict(t.get("resources", {})),
+        "resources": _quantities(t.get("resources", {})),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -122,6 +122,12 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         },
         "spec": pod_spec,
     }
+
+
+def _quantities(resources: Mapping) -> dict:
+    """Resource quantities as strings, as the API's Quantity type wants (YAML gives ints)."""
+    return {kind: {name: str(q) for name, q in (amounts or {}).items()}
+            for kind, amounts in resources.items()}
 
 
 def build_plan_configmap(job: str, namespace: str, plan: Plan,

@@ -309,7 +309,12 @@ class Reconciler:
         except ApiException as e:
             if e.status != 404:
                 raise
-            self.core.create_namespaced_config_map(meta["namespace"], cm)
+            try:
+                self.core.create_namespaced_config_map(meta["namespace"], cm)
+            except ApiException as e2:
+                if e2.status != 409:  # created meanwhile (an old replica still stopping)
+                    raise
+                self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
 
     def _ensure_service(self, body: dict) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])

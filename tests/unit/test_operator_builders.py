@@ -35,7 +35,7 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert env["EXTRA"]["value"] == "1"
     assert json.loads(env["LAZARUS_RUNTIME"]["value"])["model"] == "tiny"
     assert env["LAZARUS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
