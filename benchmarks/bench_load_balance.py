@@ -64,7 +64,8 @@ def main() -> None:
     print(f"{RANKS} ranks, {EXPERTS} experts, {SLOTS_PER_GPU} slots per rank, f = {MIN_REPLICAS}, "
           f"{TOKENS_PER_RANK} tokens per rank, top-1, {args.trials} trials (mean)\n")
     print(f"{'load ratio':>10} | {'replicas (cold..hot)':>22} | {'Lazarus':>7} | "
-          f"{'EP dropless':>11} | {'EP cf=1.25':>10} {'dropped':>7} | {'EP dropless / Lazarus':>21}")
+          f"{'EP dropless':>11} | {'EP cf=1.25':>10} {'dropped':>7} | "
+          f"{'EP dropless / Lazarus':>21}")
     for ratio in (1, 2, 4, 8):
         loads = expert_loads(ratio)
         plan = plan_job(nodes, EXPERTS, layers=1, min_replicas=MIN_REPLICAS,

@@ -116,8 +116,8 @@ class MoEGPT(nn.Module):
                 elif ".ln" in name or name.startswith("ln_"):
                     p.fill_(1.0)
                 else:
-                    std = INIT_STD / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") \
-                        else INIT_STD
+                    residual = name.endswith("proj.weight")
+                    std = INIT_STD / math.sqrt(2 * self.cfg.layers) if residual else INIT_STD
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
     def dense_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -17,7 +17,8 @@ def test_named_model_with_overrides():
 def test_paper_models_have_the_paper_sizes():
     # Parameter counts from paper-notes.md: 521M, 1.3B, 1.7B (every FFN an MoE layer).
     def params(m):
-        dense = m.vocab * m.dim + m.seq_len * m.dim + m.layers * (4 * m.dim * m.dim + m.dim * m.experts)
+        attention_and_gate = 4 * m.dim * m.dim + m.dim * m.experts
+        dense = m.vocab * m.dim + m.seq_len * m.dim + m.layers * attention_and_gate
         experts = m.layers * m.experts * 2 * m.dim * m.ffn_dim
         return dense + experts
     assert params(NAMED_MODELS["gpt-s"]) == pytest.approx(521e6, rel=0.02)
