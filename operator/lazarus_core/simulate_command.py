@@ -122,7 +122,8 @@ def write_plots(cfg, results, summaries, out: Path) -> list[Path]:
         plots.recovery(sweeps.recovery_curves(cfg.model, nodes, c["min_replicas"], cfg.loads,
                                               min(8, len(nodes) - 1)),
                        f"{cfg.model.name}, {len(nodes)} nodes", out / "recovery.png"),
-        plots.throughput_vs_skew(ratios, sweeps.throughput_vs_skew(
-            cfg.model, nodes, c["min_replicas"], ratios), cfg.model.name,
-            out / "throughput_vs_skew.png"),
+        plots.throughput_vs_skew(ratios, {
+            f"{cfg.model.name} {system}": ys for system, ys in sweeps.throughput_vs_skew(
+                cfg.model, nodes, c["min_replicas"], ratios).items()},
+            f"no failures, {len(nodes)} nodes", out / "throughput_vs_skew.png"),
     ]

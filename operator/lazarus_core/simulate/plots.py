@@ -32,8 +32,10 @@ def _save(fig, path: Path) -> Path:
 def samples_over_time(panels: dict[str, dict[str, Result]], path: Path) -> Path:
     """One panel per title: samples trained vs minutes, a line per strategy (Fig. 6/7/9)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (title, runs) in zip(axes[0], panels.items()):
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (title, runs) in zip(axes.flat, panels.items()):
         for name, r in runs.items():
             t, s = zip(*r.curve, (r.duration, r.samples))
             ax.plot([x / 60 for x in t], [y / 1000 for y in s], drawstyle="steps-post",
@@ -60,13 +62,15 @@ def throughput_vs_skew(ratios: Sequence[float], series: dict[str, Sequence[float
                        path: Path) -> Path:
     """Samples/s with no failures as the expert load ratio grows, a line per label (Fig. 10a).
 
-    Labels ending in "Lazarus" are drawn solid, the others dashed.
+    Labels are "<model> <system>": one colour per model; Lazarus solid, the others dashed.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    models = list(dict.fromkeys(label.rsplit(" ", 1)[0] for label in series))
     for label, ys in series.items():
-        ax.plot(ratios, ys, marker="o", label=label,
-                linestyle="-" if label.endswith("Lazarus") else "--")
+        model, system = label.rsplit(" ", 1) if " " in label else ("", label)
+        ax.plot(ratios, ys, marker="o", label=label, color=f"C{models.index(model)}",
+                linestyle="-" if system == "Lazarus" else "--")
     ax.set(title=title, xlabel="load ratio, hottest : coldest expert", ylabel="samples / s",
            ylim=(0, None))
     ax.grid(alpha=0.3)
@@ -77,7 +81,8 @@ def throughput_vs_skew(ratios: Sequence[float], series: dict[str, Sequence[float
 def time_breakdown(groups: dict[str, dict[str, Summary]], path: Path) -> Path:
     """Stacked share of time per category, a bar per strategy, grouped (Fig. 11)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(groups) + 1), 3.8))
+    bars = sum(len(s) for s in groups.values())
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * bars + 2.5), 3.8))
     labels, x = [], 0
     ticks = []
     for group, summaries in groups.items():
