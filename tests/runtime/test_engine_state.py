@@ -47,3 +47,14 @@ def test_a_plan_for_another_model_is_refused():
                     min_replicas=1)
     with pytest.raises(ValueError, match="experts: the plan has 6 experts, the model 4"):
         Engine(CFG, plan, 0, Collectives.single())
+
+
+def test_training_through_the_interpreted_kernels_matches_the_torch_path(monkeypatch):
+    # On a GPU training runs the Triton kernels; the interpreter runs the same kernels here.
+    torch_path = solo_engine()
+    reference = [torch_path.step(s).loss for s in range(2)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lazarus_runtime.kernels.backend import interpreting
+    assert interpreting()
+    engine = solo_engine()
+    assert [engine.step(s).loss for s in range(2)] == pytest.approx(reference, abs=1e-5)
