@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 
 from .plan import Plan
@@ -56,15 +57,16 @@ def holdings(plan: Plan) -> dict[str, list[set[int]]]:
     }
 
 
-def presence_matrix(held: Sequence[Sequence[set[int]]], experts: int) -> np.ndarray:
+def presence_matrix(held: Sequence[Sequence[set[int]]], experts: int) -> sparse.csr_matrix:
     """Rows: nodes; columns: (layer, expert); 1 where the node holds that expert."""
     num_layers = len(held[0]) if held else 0
-    m = np.zeros((len(held), num_layers * experts), dtype=np.float32)
+    rows, cols = [], []
     for i, per_layer in enumerate(held):
         for li, es in enumerate(per_layer):
-            for e in es:
-                m[i, li * experts + e] = 1.0
-    return m
+            cols.extend(li * experts + e for e in es)
+            rows.extend([i] * len(es))
+    data = np.ones(len(rows), dtype=np.float64)
+    return sparse.csr_matrix((data, (rows, cols)), shape=(len(held), num_layers * experts))
 
 
 def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement]) -> np.ndarray:
@@ -75,7 +77,7 @@ def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement])
     old_m = presence_matrix([before.get(n.name, empty) for n in nodes], experts)
     new_m = presence_matrix(
         [[set(layer[q]) for layer in layers] for q in range(len(nodes))], experts)
-    return old_m @ new_m.T
+    return (old_m @ new_m.T).toarray()
 
 
 def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.ndarray:

@@ -4,46 +4,60 @@ With E ≤ c every node can hold one replica of every expert, and nesting each e
 replicas on a prefix of the node order is optimal: any placement has an expert on at most
 min_e min(r_e, N) distinct nodes, and nesting makes that one prefix the only set whose loss
 is fatal. With E > c no single node set can hold all experts; the paper's grouping is one
-heuristic among several. We build the grouped nestings and the spread layout, score each by
-its exact model-level recovery, and keep the best one that is at least as good as spread and
-compact at every failure count.
+heuristic among several. We build the candidate groupings, score each by its exact
+recovery, and keep the best one that is at least as good as spread and compact at every
+failure count scored.
+
+Scoring runs on the most fragile layer only: layers share one grouping, so the model's
+failure sets are those of its layer with the fewest replicas on its cold experts.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from .placement import Placement, compact, nested_groups, spread
-from .recovery import recovery_probability
+from .placement import Grouping, Placement, compact, nested_groups, spread
+from .recovery import recovery_curve
 
-# Failure counts the candidates are compared at. Beyond this, all layouts are ~equally bad.
-_SCORED_FAILURES = 8
+# Failure counts the candidates are compared at, and the exact-counting work each score may
+# spend (set unions): beyond it a candidate's curve stops and comparisons use the shorter one.
+SCORED_FAILURES = 6
+_SCORING_BUDGET = 30_000
 
 
 def mro(layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement]:
     num_experts = len(layers[0])
     min_slots = min(slots)
     if num_experts <= min_slots:
-        return nested_groups(layers, slots, [num_experts])
+        grouping = Grouping.build(layers, slots, [num_experts])
+        return [nested_groups(r, slots, grouping) for r in layers]
 
-    candidates = [nested_groups(layers, slots, sizes, nested)
-                  for sizes in _group_sizes(num_experts, min_slots, len(slots))
-                  for nested in range(1, len(sizes) + 1)]
-    baselines = [[spread(r, slots) for r in layers], [compact(r, slots) for r in layers]]
-    ks = range(1, min(_SCORED_FAILURES, len(slots) - 1) + 1)
+    probe = min(layers, key=lambda r: sorted(r))
+    max_failures = min(SCORED_FAILURES, len(slots) - 1)
 
-    def score(candidate):
-        return tuple(recovery_probability(candidate, k).probability for k in ks)
+    def score(placement: Placement) -> tuple[float, ...]:
+        return tuple(r.probability
+                     for r in recovery_curve([placement], max_failures, exact_only=True,
+                                             budget=_SCORING_BUDGET))
 
-    baseline_scores = [score(b) for b in baselines]
-    scored = [(score(c), i, c) for i, c in enumerate(candidates + baselines[:1])]
+    baselines = [score(spread(probe, slots)), score(compact(probe, slots))]
+    candidates = [(score(spread(probe, slots)), 0, None)]
+    for i, sizes in enumerate(_group_sizes(num_experts, min_slots, len(slots)), start=1):
+        for nested in sorted({1, 2, len(sizes) - 1, len(sizes)} & set(range(1, len(sizes) + 1))):
+            grouping = Grouping.build(layers, slots, sizes, nested)
+            candidates.append((score(nested_groups(probe, slots, grouping)), i, grouping))
 
-    def dominates_baselines(s):
-        return all(all(a >= b - 1e-12 for a, b in zip(s, base)) for base in baseline_scores)
+    # Compare only at the failure counts every candidate could count exactly.
+    depth = min(len(s) for s in baselines + [c[0] for c in candidates])
 
-    safe = [entry for entry in scored if dominates_baselines(entry[0])] or scored
-    best = max(safe, key=lambda entry: (entry[0], -entry[1]))
-    return best[2]
+    def at_least_baselines(s: tuple[float, ...]) -> bool:
+        return all(a >= b - 1e-12 for base in baselines for a, b in zip(s[:depth], base))
+
+    safe = [c for c in candidates if at_least_baselines(c[0])] or candidates
+    _, _, grouping = max(safe, key=lambda c: (c[0][:depth], c[1] > 0))
+    if grouping is None:
+        return [spread(r, slots) for r in layers]
+    return [nested_groups(r, slots, grouping) for r in layers]
 
 
 def _group_sizes(num_experts: int, per_node: int, num_nodes: int) -> list[list[int]]:

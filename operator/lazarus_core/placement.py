@@ -7,7 +7,9 @@ does).
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 Placement = list[list[int]]  # node position -> expert ids, one per slot
 
@@ -44,44 +46,52 @@ def spread(replicas: Sequence[int], slots: Sequence[int]) -> Placement:
     return placement
 
 
-def nested_groups(layers: Sequence[Sequence[int]], slots: Sequence[int],
-                  group_sizes: Sequence[int], nested: int | None = None) -> list[Placement]:
-    """MRO's construction: experts in popularity groups, each nested on its own node range.
+@dataclass(frozen=True)
+class Grouping:
+    """Experts cut into popularity groups, each with its own range of node positions."""
+
+    group_of: tuple[int, ...]
+    ranges: tuple[tuple[int, ...], ...]
+    nested: int  # groups [0, nested) are nested; the rest share their ranges round-robin
+
+    @classmethod
+    def build(cls, layers: Sequence[Sequence[int]], slots: Sequence[int],
+              group_sizes: Sequence[int], nested: int | None = None) -> "Grouping":
+        """One grouping for every layer, so the layers' failure sets coincide."""
+        group_of = _popularity_groups(layers, group_sizes)
+        ranges = _node_ranges(layers, slots, group_of, len(group_sizes))
+        return cls(tuple(group_of), tuple(tuple(r) for r in ranges),
+                   len(group_sizes) if nested is None else nested)
+
+
+def nested_groups(replicas: Sequence[int], slots: Sequence[int], grouping: Grouping) -> Placement:
+    """MRO's construction for one layer: each popularity group nested on its node range.
 
     Within a group, the least popular expert sits on the first r nodes of the range and
     every more popular one on a longer prefix, so the group fails only when its smallest
-    node set fails. One node range per group, the same for every layer, so the layers'
-    failure sets coincide too. Only the first ``nested`` groups (default: all) are nested;
-    the experts of the others share their ranges round-robin, which is better when a range
-    is too short for the replicas it would have to nest. Replicas that do not fit go where
-    they add a new node to the expert, else anywhere free.
+    node set fails. Groups past ``grouping.nested`` share their ranges round-robin, which
+    is better when a range is too short for the replicas it would have to nest. Replicas
+    that do not fit go where they add a new node to the expert, else anywhere free.
     """
-    num_experts = len(layers[0])
-    nested = len(group_sizes) if nested is None else nested
-    group_of = _popularity_groups(layers, group_sizes)
-    ranges = _node_ranges(layers, slots, group_of, len(group_sizes))
-    shared = [node for r in ranges[nested:] for node in r]
-    placements = []
-    for replicas in layers:
-        _check(replicas, slots)
-        placement: Placement = [[] for _ in slots]
-        left = list(replicas)
-        by_popularity = sorted(range(num_experts), key=lambda e: (replicas[e], e))
-        cursor = 0
-        for e in by_popularity:
-            if group_of[e] < nested:
-                targets = ranges[group_of[e]][:replicas[e]]
-            else:  # deal round-robin over the shared ranges, like spread
-                targets = [shared[(cursor + i) % len(shared)]
-                           for i in range(min(replicas[e], len(shared)))]
-                cursor += len(targets)
-            for node in targets:
-                if len(placement[node]) < slots[node]:
-                    placement[node].append(e)
-                    left[e] -= 1
-        _place_leftovers(placement, slots, left, ranges, group_of)
-        placements.append(placement)
-    return placements
+    _check(replicas, slots)
+    ranges, group_of = grouping.ranges, grouping.group_of
+    shared = [node for r in ranges[grouping.nested:] for node in r]
+    placement: Placement = [[] for _ in slots]
+    left = list(replicas)
+    cursor = 0
+    for e in sorted(range(len(replicas)), key=lambda e: (replicas[e], e)):
+        if group_of[e] < grouping.nested:
+            targets = ranges[group_of[e]][:replicas[e]]
+        else:  # deal round-robin over the shared ranges, like spread
+            targets = [shared[(cursor + i) % len(shared)]
+                       for i in range(min(replicas[e], len(shared)))]
+            cursor += len(targets)
+        for node in targets:
+            if len(placement[node]) < slots[node]:
+                placement[node].append(e)
+                left[e] -= 1
+    _place_leftovers(placement, slots, left, grouping)
+    return placement
 
 
 def _popularity_groups(layers: Sequence[Sequence[int]], group_sizes: Sequence[int]) -> list[int]:
@@ -125,24 +135,34 @@ def _apportion(weights: Sequence[int], total: int) -> list[int]:
         parts[by_remainder[i % len(parts)]] += 1
         i += 1
     while sum(parts) > total:
-        j = max(range(len(parts)), key=lambda i: (parts[i] - quotas[i], parts[i]))
+        j = max((i for i in range(len(parts)) if parts[i] > 1),
+                key=lambda i: (parts[i] - quotas[i], parts[i]))
         parts[j] -= 1
     return parts
 
 
-def _place_leftovers(placement: Placement, slots, left, ranges, group_of) -> None:
+def _place_leftovers(placement: Placement, slots, left, grouping: Grouping) -> None:
     """Put each replica that did not fit its range where it widens its expert's node set."""
     free = [s - len(p) for s, p in zip(slots, placement)]
     n = len(slots)
-    for e in sorted(range(len(left)), key=lambda e: -left[e]):
-        home = ranges[group_of[e]]
-        # Prefer extending the nesting: nodes after the expert's range, in order.
-        after = list(range(home[-1] + 1, n)) + list(range(0, home[0])) if home else list(range(n))
-        while left[e] > 0:
-            target = next((i for i in after if free[i] and e not in placement[i]), None)
-            if target is None:
-                target = max(range(n), key=lambda i: (free[i], -i))
-            placement[target].append(e)
-            free[target] -= 1
-            left[e] -= 1
+    for e in sorted((e for e in range(len(left)) if left[e]), key=lambda e: -left[e]):
+        home = grouping.ranges[grouping.group_of[e]]
+        # Prefer extending the nesting: the nodes after the expert's range, in order.
+        for i in [*range(home[-1] + 1, n), *range(0, home[0])]:
+            if not left[e]:
+                break
+            if free[i] and e not in placement[i]:
+                placement[i].append(e)
+                free[i] -= 1
+                left[e] -= 1
+        if left[e]:  # every reachable node holds it: duplicates where room is widest
+            roomiest = [(-free[i], i) for i in range(n) if free[i]]
+            heapq.heapify(roomiest)
+            while left[e]:
+                neg_free, i = heapq.heappop(roomiest)
+                placement[i].append(e)
+                free[i] -= 1
+                left[e] -= 1
+                if free[i]:
+                    heapq.heappush(roomiest, (neg_free + 1, i))
     assert not any(free), "every slot must be filled when replicas == slots"

@@ -214,11 +214,11 @@ def violations(plan: Plan) -> list[str]:
             if len(slots) != node.slots:
                 v.append(f"{where}.placement[{ni}]: node {node.name} has {node.slots} slots, "
                          f"plan fills {len(slots)}")
+            if slots and not (0 <= min(slots) and max(slots) < plan.experts):
+                v.append(f"{where}.placement[{ni}]: expert ids must be in 0..{plan.experts - 1}")
+                continue
             for e in slots:
-                if not 0 <= e < plan.experts:
-                    v.append(f"{where}.placement[{ni}]: expert id {e} out of range")
-                else:
-                    counts[e] += 1
+                counts[e] += 1
         if len(layer.replicas) == plan.experts:
             for e, (want, got) in enumerate(zip(layer.replicas, counts)):
                 if want != got:

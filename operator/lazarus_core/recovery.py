@@ -19,7 +19,7 @@ import numpy as np
 
 Placement = list[list[int]]
 
-_INCLUSION_EXCLUSION_BUDGET = 200_000  # subfamilies visited before giving up on exactness
+_INCLUSION_EXCLUSION_BUDGET = 2_000_000  # set unions formed before giving up on exactness
 _ENUMERATION_LIMIT = 200_000  # failed sets enumerated before sampling instead
 _SAMPLES = 20_000
 
@@ -58,44 +58,68 @@ def recovery_probability(layers: Sequence[Placement], k: int, seed: int = 0) -> 
     n = len(layers[0])
     if not 0 <= k <= n:
         raise ValueError(f"failures: k must be in 0..{n}, got {k}")
-    sets = minimal_sets(expert_node_sets(layers), max_size=k)
-    if not sets:
-        return Recovery(1.0, True)
-    total = math.comb(n, k)
-    failing = _count_by_inclusion_exclusion(sets, n, k)
-    if failing is None and total <= _ENUMERATION_LIMIT:
-        failing = _count_by_enumeration(sets, n, k)
-    if failing is not None:
-        return Recovery(1.0 - failing / total, True)
-    return _monte_carlo(sets, n, k, seed)
+    return _recovery_from_sets(minimal_sets(expert_node_sets(layers), max_size=k), n, k, seed)
+
+
+def recovery_curve(layers: Sequence[Placement], max_failures: int,
+                   exact_only: bool = False, budget: int | None = None) -> list[Recovery]:
+    """Recovery for k = 1..max_failures, sharing the work across k.
+
+    With ``exact_only`` the curve stops before the first k that has no exact answer within
+    ``budget`` set unions; otherwise such k fall back to enumeration or sampling.
+    """
+    n = len(layers[0])
+    max_failures = min(max_failures, n)
+    sets = minimal_sets(expert_node_sets(layers), max_size=max_failures)
+    curve = []
+    for k in range(1, max_failures + 1):
+        r = _recovery_from_sets([s for s in sets if s.bit_count() <= k], n, k, 0,
+                                exact_only, budget)
+        if r is None:
+            break
+        curve.append(r)
+    return curve
 
 
 def recovery_table(layers: Sequence[Placement], max_failures: int) -> dict[str, float]:
     """Model-level recovery probability for k = 1..max_failures, keyed by str(k)."""
-    n = len(layers[0])
-    return {
-        str(k): recovery_probability(layers, k).probability
-        for k in range(1, min(max_failures, n) + 1)
-    }
+    return {str(k): r.probability
+            for k, r in enumerate(recovery_curve(layers, max_failures), start=1)}
 
 
-def _count_by_inclusion_exclusion(sets: list[int], n: int, k: int) -> int | None:
-    """|{F : |F| = k, F contains some set}|, or None if too many terms."""
-    visited = 0
-    total = 0
+def _recovery_from_sets(sets: list[int], n: int, k: int, seed: int, exact_only: bool = False,
+                        budget: int | None = None) -> Recovery | None:
+    if not sets:
+        return Recovery(1.0, True)
+    total = math.comb(n, k)
+    histogram = _union_histogram(sets, k, _INCLUSION_EXCLUSION_BUDGET if budget is None else budget)
+    if histogram is not None:
+        failing = sum(sign * math.comb(n - u, k - u) for u, sign in histogram.items())
+        return Recovery(1.0 - failing / total, True)
+    if total <= _ENUMERATION_LIMIT:
+        return Recovery(1.0 - _count_by_enumeration(sets, n, k) / total, True)
+    return None if exact_only else _monte_carlo(sets, n, k, seed)
+
+
+def _union_histogram(sets: list[int], k: int, budget: int) -> dict[int, int] | None:
+    """Inclusion-exclusion terms by union size: {u: Σ (-1)^(|T|+1) over subfamilies T
+    whose union has u ≤ k nodes}. Then |{F : |F| = k, F ⊇ some set}| = Σ_u h[u]·C(n-u, k-u).
+    None when more than ``budget`` unions would have to be formed."""
+    histogram: dict[int, int] = {}
+    work = 0
     stack = [(i, sets[i], 1) for i in range(len(sets))]
     while stack:
         i, union, size = stack.pop()
-        visited += 1
-        if visited > _INCLUSION_EXCLUSION_BUDGET:
+        work += len(sets) - i
+        if work > budget:
             return None
         u = union.bit_count()
-        total += (1 if size % 2 else -1) * math.comb(n - u, k - u)
+        histogram[u] = histogram.get(u, 0) + (1 if size % 2 else -1)
         for j in range(i + 1, len(sets)):
             merged = union | sets[j]
             if merged.bit_count() <= k:
                 stack.append((j, merged, size + 1))
-    return total
+    return histogram
 
 
 def _count_by_enumeration(sets: list[int], n: int, k: int) -> int:

@@ -39,6 +39,14 @@ def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas:
              generation: int = 1, reason: str = "Initial",
              max_failures: int = DEFAULT_MAX_FAILURES) -> Plan:
     """A complete plan: replicas per layer from the loads, placed by ``policy``."""
+    ordered, replicas, placements = layout(nodes, experts, layers, min_replicas, policy, loads)
+    return build_plan(ordered, replicas, placements, experts, min_replicas, policy,
+                      generation, reason, max_failures)
+
+
+def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
+           policy: str, loads: Sequence[Sequence[float]] | None):
+    """Node order, replicas per layer and placements: a plan before it has node identities."""
     if experts < 1:
         raise ValueError(f"experts: must be >= 1, got {experts}")
     if layers < 1:
@@ -47,9 +55,7 @@ def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas:
     ordered = failure_domain_order(list(nodes))
     slots = [n.slots for n in ordered]
     replicas = allocate_layers(loads, layers, experts, sum(slots), min_replicas)
-    placements = place(policy, replicas, slots)
-    return build_plan(ordered, replicas, placements, experts, min_replicas, policy,
-                      generation, reason, max_failures)
+    return ordered, replicas, place(policy, replicas, slots)
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
@@ -85,16 +91,11 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
 
     ``sources`` are the old plan's nodes that can still send expert state.
     """
-    fresh = plan_job(nodes, old.experts, len(old.layers), old.min_replicas, old.policy,
-                     loads=loads, generation=old.generation + 1, reason=reason,
-                     max_failures=0)
-    by_name = {n.name: n for n in nodes}
-    positions = [by_name[n.name] for n in fresh.nodes]
-    placements = [[list(s) for s in layer.placement] for layer in fresh.layers]
+    positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
+                                             old.min_replicas, old.policy, loads)
     mapping = map_nodes_optimal(old, list(nodes), positions, placements)
     # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
     ordered = [nodes[i] for i in mapping]
-    replicas = [list(layer.replicas) for layer in fresh.layers]
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
-                      old.policy, fresh.generation, reason, max_failures)
+                      old.policy, old.generation + 1, reason, max_failures)
     return Replan(plan, plan_transfers(old, plan, sources))

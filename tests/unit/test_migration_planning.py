@@ -1,0 +1,105 @@
+import pytest
+
+from lazarus_core.migration import holdings, map_nodes_greedy, map_nodes_optimal, plan_transfers
+from lazarus_core.plan import validate
+from lazarus_core.solver import plan_job, replan
+from lazarus_core.topology import NodeSpec
+
+
+def _nodes(n, slots=6, zones=1):
+    return [NodeSpec(f"n{i}", 1, slots, zone=f"z{i % zones}") for i in range(n)]
+
+
+def _skew(e, s, layers):
+    return [[1 / (i + 1) ** s for i in range(e)]] * layers
+
+
+def test_losing_a_node_moves_only_what_the_new_plan_lacks():
+    nodes = _nodes(10)
+    old = plan_job(nodes, 16, 4, 2, loads=_skew(16, 1.0, 4))
+    survivors = [n for n in nodes if n.name != "n3"]
+    result = replan(old, survivors, "NodeLost", {n.name for n in survivors})
+    new, migration = result.plan, result.migration
+    validate(new)
+    assert new.generation == 2 and new.reason == "NodeLost"
+    assert "n3" not in {n.name for n in new.nodes}
+    assert migration.recoverable
+    before, after = holdings(old), holdings(new)
+    needed = {(li, e, name) for name, layers in after.items()
+              for li, es in enumerate(layers) for e in es if e not in before[name][li]}
+    assert {(t.layer, t.expert, t.destination) for t in migration.transfers} == needed
+    for t in migration.transfers:
+        assert t.source != "n3" and t.expert in before[t.source][t.layer]
+
+
+def test_sources_are_spread_over_the_surviving_holders():
+    nodes = _nodes(10)
+    old = plan_job(nodes, 8, 12, 2)
+    survivors = [n for n in nodes if n.name not in ("n0", "n5")]
+    migration = replan(old, survivors, "NodeLost", {n.name for n in survivors}).migration
+    sends = {}
+    for t in migration.transfers:
+        sends[t.source] = sends.get(t.source, 0) + 1
+    holders_per_expert = min(len([1 for n in survivors if e in holdings(old)[n.name][0]])
+                             for e in range(8))
+    assert holders_per_expert >= 2
+    assert max(sends.values()) <= 2 * len(migration.transfers) / len(sends)
+
+
+def test_an_expert_with_no_surviving_replica_is_reported_lost():
+    nodes = _nodes(4, slots=2)
+    old = plan_job(nodes, 4, 1, 1, "compact")  # each expert lives on one node
+    holder = next(n for n in old.nodes if 0 in old.layers[0].placement[old.node_index(n.name)])
+    survivors = [n for n in nodes if n.name != holder.name]
+    migration = replan(old, survivors, "NodeLost", {n.name for n in survivors}).migration
+    assert not migration.recoverable
+    assert (0, 0) in migration.lost
+
+
+def test_a_node_under_spot_notice_is_a_source_but_not_in_the_plan():
+    nodes = _nodes(6, slots=4)
+    old = plan_job(nodes, 4, 2, 2)
+    doomed = old.nodes[0].name
+    staying = [n for n in nodes if n.name != doomed]
+    result = replan(old, staying, "SpotNotice", {n.name for n in nodes})
+    assert doomed not in {n.name for n in result.plan.nodes}
+    assert result.migration.recoverable
+
+
+def test_joining_nodes_receive_state_from_existing_holders():
+    nodes = _nodes(6)
+    old = plan_job(nodes[:4], 8, 2, 2)
+    result = replan(old, nodes, "NodeJoined", {n.name for n in nodes[:4]})
+    assert {t.destination for t in result.migration.transfers} >= {"n4", "n5"}
+    assert {t.source for t in result.migration.transfers} <= {"n0", "n1", "n2", "n3"}
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.0, 1.5])
+def test_optimal_mapping_never_moves_more_than_the_greedy_one(skew):
+    nodes = _nodes(12, zones=3)
+    old = plan_job(nodes, 16, 6, 2, loads=_skew(16, skew, 6))
+    survivors = [n for n in nodes if n.name not in ("n1", "n7")]
+    fresh = plan_job(survivors, 16, 6, 2, loads=_skew(16, skew + 0.3, 6), max_failures=0)
+    positions = [next(n for n in survivors if n.name == p.name) for p in fresh.nodes]
+    layers = [[list(s) for s in l.placement] for l in fresh.layers]
+
+    def moved(mapping):
+        return sum(len(set(layers[li][q]) - holdings(old)[survivors[i].name][li])
+                   for q, i in enumerate(mapping) for li in range(len(layers)))
+
+    optimal = map_nodes_optimal(old, survivors, positions, layers)
+    greedy = map_nodes_greedy(old, survivors, positions, layers)
+    assert sorted(optimal) == list(range(len(survivors)))
+    assert moved(optimal) <= moved(greedy)
+    for q, i in enumerate(optimal):  # never across zones
+        assert survivors[i].zone == positions[q].zone
+
+
+def test_transfers_cover_exactly_the_missing_replicas():
+    old = plan_job(_nodes(5, slots=3), 5, 2, 2)
+    new = plan_job(_nodes(5, slots=3)[::-1], 5, 2, 2, "spread", generation=2)
+    migration = plan_transfers(old, new, {f"n{i}" for i in range(5)})
+    for t in migration.transfers:
+        li, q = t.layer, new.node_index(t.destination)
+        assert t.expert in new.layers[li].placement[q]
+        assert t.expert not in holdings(old)[t.destination][li]

@@ -1,0 +1,67 @@
+"""`lazarus plan` as users and later checks call it: a real subprocess."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def lazarus(*args):
+    return subprocess.run([sys.executable, "-m", "lazarus_core.cli", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_json_output_has_the_contract_keys():
+    out = lazarus("plan", "--nodes", "10", "--slots", "6", "--experts", "16", "--layers", "2",
+                  "--loads", "zipf:1.0", "--failures", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("nodes", "slots", "experts", "layers", "min_replicas", "policy", "replicas",
+                "placement", "recovery"):
+        assert key in data
+    assert data["policy"] == "mro" and data["min_replicas"] == 2
+    assert len(data["replicas"]) == 2 and all(sum(r) == 60 for r in data["replicas"])
+    assert data["replicas"][0][0] == max(data["replicas"][0])  # zipf: expert 0 is hottest
+    assert len(data["placement"][0]) == 10 and all(len(s) == 6 for s in data["placement"][0])
+    assert set(data["recovery"]) == {"1", "2", "3", "4"}
+
+
+def test_human_table_shows_all_policies_side_by_side():
+    out = lazarus("plan", "--nodes", "6", "--slots", "4", "--experts", "4", "--zones", "3")
+    assert out.returncode == 0, out.stderr
+    header = next(l for l in out.stdout.splitlines() if l.startswith("k "))
+    assert header.split() == ["k", "mro", "spread", "compact"]
+    assert "zone-2" in out.stdout
+
+
+def test_loads_file_per_expert(tmp_path):
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps([1, 1, 1, 9]))
+    out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads",
+                  str(loads), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["replicas"][0] == [2, 2, 2, 10]
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--nodes", "0", "--slots", "6", "--experts", "8"], "--nodes"),
+    (["--nodes", "4", "--slots", "-1", "--experts", "8"], "--slots"),
+    (["--nodes", "2", "--slots", "2", "--experts", "8"], "slots"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--min-replicas", "9"], "min_replicas"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--loads", "zipf:abc"], "--loads"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--loads", "/nonexistent.json"], "--loads"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--zones", "a,b"], "--zones"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--policy", "best"], "--policy"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_problem(args, field):
+    out = lazarus("plan", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
+
+
+def test_malformed_loads_file(tmp_path):
+    bad = tmp_path / "loads.json"
+    bad.write_text('{"expert": 1}')
+    out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads", str(bad))
+    assert out.returncode == 2 and "--loads" in out.stderr
