@@ -333,6 +333,10 @@ _WHY = """## Where we differ from the paper, and why
   back into each replacement node with a second restart right after its next checkpoint;
   the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps that extra
   restart weighs more than the work it wins back.
+- **On the spot trace our DeepSpeed mostly waits rather than restarts.** It needs its full
+  10-node world back before it can restart, and this trace seldom holds 10 nodes for long;
+  the paper's Fig. 11 books DeepSpeed's lost time as checkpointing and restarting. Either
+  way it computes for well under half the run.
 - **Checkpoint restores on the spot trace.** Our 80-minute window has several mass drops
   (12 instances to 5, and down to 2), so losing 6 of 10 nodes at once often takes every
   replica of some GPT-L expert; the paper's trace needed one restore. When 2 nodes are
