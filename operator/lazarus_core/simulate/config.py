@@ -14,7 +14,7 @@
 Trace kinds: ``mtbf`` (mtbf_s, replace_s, notice_s, zones), ``availability`` (path or a
 shipped name, start_s, scale_to, notice_s), ``events`` (path or a shipped name), ``zones``
 (zones, nodes_per_zone, node_mtbf_s, zone_mtbf_s, outage_s, replace_s, notice_s). All take
-duration_s.
+duration_s (0 for availability and events: to the end of the file).
 """
 from __future__ import annotations
 

@@ -67,37 +67,83 @@ def exponential(nodes: int, mtbf_s: float, duration_s: float, replace_s: float,
 
     The victim is a uniformly random live node; a new node (a fresh name, same zone) joins
     ``replace_s`` later, as a replacement spot instance would. With ``notice_s`` each loss
-    is announced that long before it happens.
+    is announced that long before it happens. Nodes are dealt round-robin over ``zones``.
     """
     if nodes < 1:
         raise ValueError(f"cluster.nodes: must be >= 1, got {nodes}")
-    if mtbf_s <= 0:
-        raise ValueError(f"trace.mtbf_s: must be > 0, got {mtbf_s}")
-    if replace_s < 0:
-        raise ValueError(f"trace.replace_s: must be >= 0, got {replace_s}")
+    events = _generate([_zone(i, zones) for i in range(nodes)], mtbf_s, None, 0.0, replace_s,
+                       duration_s, seed, notice_s)
+    return make_trace(f"exponential MTBF {mtbf_s:g} s, seed {seed}", events, duration_s)
+
+
+def zone_correlated(zones: int, nodes_per_zone: int, node_mtbf_s: float, zone_mtbf_s: float,
+                    outage_s: float, replace_s: float, duration_s: float, seed: int = 0,
+                    notice_s: float = 0.0) -> Trace:
+    """Independent node losses plus whole-zone outages (a spot pool reclaimed at once).
+
+    Node losses are as in ``exponential``; on top, each zone has outages at mean gap
+    ``zone_mtbf_s`` that take every live node of the zone, and as many new nodes join the
+    zone ``outage_s`` later.
+    """
+    if zones < 1 or nodes_per_zone < 1:
+        raise ValueError("trace.zones and trace.nodes_per_zone: must be >= 1")
+    if zone_mtbf_s <= 0:
+        raise ValueError(f"trace.zone_mtbf_s: must be > 0, got {zone_mtbf_s}")
+    events = _generate([f"zone-{i % zones}" for i in range(zones * nodes_per_zone)],
+                       node_mtbf_s, zone_mtbf_s, outage_s, replace_s, duration_s, seed, notice_s)
+    return make_trace(f"{zones} zones, node MTBF {node_mtbf_s:g} s, zone MTBF "
+                      f"{zone_mtbf_s:g} s, seed {seed}", events, duration_s)
+
+
+def _generate(zone_of: list[str], node_mtbf_s: float, zone_mtbf_s: float | None,
+              outage_s: float, replace_s: float, duration_s: float, seed: int,
+              notice_s: float) -> list[Event]:
+    """Both generators: node losses and (optionally) zone outages, replayed in time order."""
+    if node_mtbf_s <= 0:
+        raise ValueError(f"trace.mtbf_s: must be > 0, got {node_mtbf_s}")
+    if replace_s < 0 or outage_s < 0:
+        raise ValueError("trace.replace_s and trace.outage_s: must be >= 0")
     rng = np.random.default_rng(seed)
-    events = [Event(0.0, "join", f"node-{i}", _zone(i, zones)) for i in range(nodes)]
+    happenings = [(t, None) for t in _poisson(rng, node_mtbf_s, duration_s)]
+    if zone_mtbf_s is not None:
+        for zone in sorted(set(zone_of)):
+            happenings += [(t, zone) for t in _poisson(rng, zone_mtbf_s, duration_s)]
+    happenings.sort(key=lambda h: h[0])
+
+    events = [Event(0.0, "join", f"node-{i}", z) for i, z in enumerate(zone_of)]
     alive = {e.node: e.zone for e in events}
-    returns: list[tuple[float, str]] = []  # (time, zone) of replacements still to come
-    fresh = nodes
-    t = 0.0
-    while True:
-        t += float(rng.exponential(mtbf_s))
-        if t >= duration_s:
-            break
-        for when, zone in [r for r in returns if r[0] <= t]:
+    joins: list[tuple[float, str]] = []  # (time, zone) of nodes still to arrive
+    fresh = len(zone_of)
+
+    def arrive(until: float) -> None:
+        nonlocal fresh
+        for when, zone in sorted(j for j in joins if j[0] <= until):
             events.append(Event(when, "join", f"node-{fresh}", zone))
             alive[f"node-{fresh}"] = zone
             fresh += 1
-            returns.remove((when, zone))
-        if not alive:
-            continue
-        victim = sorted(alive)[int(rng.integers(len(alive)))]
-        events += _loss(t, victim, alive.pop(victim), notice_s)
-        returns.append((t + replace_s, events[-1].zone))
-    events += [Event(when, "join", f"node-{fresh + i}", zone)
-               for i, (when, zone) in enumerate(returns)]
-    return make_trace(f"exponential MTBF {mtbf_s:g} s, seed {seed}", events, duration_s)
+        joins[:] = [j for j in joins if j[0] > until]
+
+    for t, zone in happenings:
+        arrive(t)
+        if zone is None:
+            victims = [sorted(alive)[int(rng.integers(len(alive)))]] if alive else []
+            back = replace_s
+        else:
+            victims = sorted(n for n, z in alive.items() if z == zone)
+            back = outage_s
+        for node in victims:
+            events += _loss(t, node, alive.pop(node), notice_s)
+            joins.append((t + back, events[-1].zone))
+    arrive(duration_s)
+    return events
+
+
+def _poisson(rng: np.random.Generator, mean_gap: float, duration: float) -> list[float]:
+    times, t = [], float(rng.exponential(mean_gap))
+    while t < duration:
+        times.append(t)
+        t += float(rng.exponential(mean_gap))
+    return times
 
 
 def _loss(t: float, node: str, zone: str, notice_s: float) -> list[Event]:
@@ -155,61 +201,6 @@ def _count_at(rows: list[tuple[float, int]], t: float) -> int:
             break
         count = c
     return count
-
-
-def zone_correlated(zones: int, nodes_per_zone: int, node_mtbf_s: float, zone_mtbf_s: float,
-                    outage_s: float, replace_s: float, duration_s: float, seed: int = 0,
-                    notice_s: float = 0.0) -> Trace:
-    """Independent node losses plus whole-zone outages (a spot pool reclaimed at once).
-
-    Node losses follow ``exponential``; separately, each zone has outages at mean gap
-    ``zone_mtbf_s`` that take every live node of the zone and bring as many back
-    ``outage_s`` later.
-    """
-    if zones < 1 or nodes_per_zone < 1:
-        raise ValueError("trace.zones and trace.nodes_per_zone: must be >= 1")
-    if zone_mtbf_s <= 0 or outage_s < 0:
-        raise ValueError("trace.zone_mtbf_s must be > 0 and trace.outage_s >= 0")
-    base = exponential(zones * nodes_per_zone, node_mtbf_s, duration_s, replace_s, seed,
-                       notice_s, zones)
-    rng = np.random.default_rng([seed, 1])
-    outages = sorted((t, z) for z in range(zones)
-                     for t in np.cumsum(rng.exponential(zone_mtbf_s, 64)) if t < duration_s)
-    events = list(base.events)
-    fresh = 1 + max(int(e.node.split("-")[1]) for e in events)
-    for t, z in outages:
-        zone = f"zone-{z}" if zones > 1 else ""
-        alive = _alive_at(events, t, zone)
-        for node in alive:
-            events += _loss(float(t), node, zone, notice_s)
-        for _ in alive:
-            events.append(Event(float(t) + outage_s, "join", f"node-{fresh}", zone))
-            fresh += 1
-    # Drop the independent losses of nodes an outage already took.
-    return make_trace(f"{zones} zones, node MTBF {node_mtbf_s:g} s, zone MTBF {zone_mtbf_s:g} s, "
-                      f"seed {seed}", _first_loss_only(events), duration_s)
-
-
-def _alive_at(events: list[Event], t: float, zone: str) -> list[str]:
-    state: dict[str, bool] = {}
-    for e in sorted(events, key=lambda e: e.time):
-        if e.time > t:
-            break
-        if e.zone == zone and e.kind != "notice":
-            state[e.node] = e.kind == "join"
-    return sorted(n for n, up in state.items() if up)
-
-
-def _first_loss_only(events: list[Event]) -> list[Event]:
-    seen: set[tuple[str, str]] = set()
-    kept = []
-    for e in sorted(events, key=lambda e: e.time):
-        if e.kind in ("lose", "notice"):
-            if (e.kind, e.node) in seen:
-                continue
-            seen.add((e.kind, e.node))
-        kept.append(e)
-    return kept
 
 
 # --- files ------------------------------------------------------------------------------
