@@ -79,6 +79,9 @@ build_helm() {
 }
 
 mkdir -p "$TOOLS_DIR"
+# Concurrent test runs on one machine wait for a single build instead of racing.
+exec 9>"$TOOLS_DIR/.build.lock"
+flock --wait 3600 9 || die "another build held $TOOLS_DIR/.build.lock for an hour"
 start=$SECONDS
 build "kubernetes-v$KUBE_VERSION" "$KUBE_BIN_DIR" build_kubernetes "${KUBE_BINARIES[@]}"
 build "etcd-v$ETCD_VERSION" "$ETCD_BIN_DIR" build_etcd etcd

@@ -6,6 +6,7 @@
 #
 #   hack/cluster.sh up          start the cluster, or reuse it if it is running; prints the
 #                               kubeconfig path on stdout (its state lives under $LAZARUS_CACHE)
+#   hack/cluster.sh stop        stop the cluster's processes, keeping its state for `up`
 #   hack/cluster.sh down        stop the cluster and delete its state
 #   hack/cluster.sh status      exit 0 if the cluster is up and serving
 #   hack/cluster.sh kubeconfig  print the kubeconfig path
@@ -23,7 +24,8 @@ export KWOK_WORKDIR="$LAZARUS_CACHE/kwok"
 export KWOK_KUBECTL_BINARY="$KUBE_BIN_DIR/kubectl"
 cluster_dir="$KWOK_WORKDIR/clusters/$name"
 kubeconfig="$cluster_dir/kubeconfig.yaml"
-kwokctl="$KWOK_BIN_DIR/kwokctl"
+# Our own log lines say what is happening; kwokctl's INFO lines only repeat it.
+kwokctl=("$KWOK_BIN_DIR/kwokctl" --v WARN)
 kubectl=("$KUBE_BIN_DIR/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s)
 
 healthy() { [ -f "$kubeconfig" ] && "${kubectl[@]}" get --raw /readyz >/dev/null 2>&1; }
@@ -32,7 +34,7 @@ create() {
   # --kubeconfig "" keeps kwokctl away from ~/.kube/config; ours is $kubeconfig.
   # kwokctl slows the node lifecycle controller down (25 s) for clusters of thousands of
   # nodes; ours are few, so it gets back Kubernetes' default and reacts to NotReady in seconds.
-  "$kwokctl" create cluster --name "$name" --runtime binary \
+  "${kwokctl[@]}" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$KUBE_BIN_DIR/kube-apiserver" \
     --kube-controller-manager-binary "$KUBE_BIN_DIR/kube-controller-manager" \
     --kube-scheduler-binary "$KUBE_BIN_DIR/kube-scheduler" \
@@ -41,19 +43,29 @@ create() {
     --kube-authorization --kube-admission \
     --config "$LAZARUS_ROOT/hack/kwok-stages.yaml" \
     --extra-args kube-controller-manager=node-monitor-period=5s \
-    --kubeconfig "" --wait 2m --timeout 3m
+    --kubeconfig "" --wait 2m --timeout 3m 9>&-
+}
+
+# Several test sessions (several clones) share one cluster; one of them creates it at a time.
+# The components kwokctl starts must not inherit the lock (9>&- below), or they would hold it
+# for as long as they run.
+lock() {
+  mkdir -p "$KWOK_WORKDIR"
+  exec 9>"$KWOK_WORKDIR/.lock"
+  flock --wait 300 9 || die "another hack/cluster.sh held $KWOK_WORKDIR/.lock for 5 minutes"
 }
 
 up() {
   "$LAZARUS_ROOT/hack/build-control-plane.sh"
+  lock
   local start=$SECONDS
   if healthy; then
     log "reusing the running cluster $name"
   elif [ -d "$cluster_dir" ]; then
     log "starting the stopped cluster $name"
-    if ! "$kwokctl" start cluster --name "$name" --timeout 2m || ! healthy; then
+    if ! "${kwokctl[@]}" start cluster --name "$name" --wait 2m --timeout 2m 9>&- || ! healthy; then
       log "it did not come back; recreating it"
-      "$kwokctl" delete cluster --name "$name"
+      "${kwokctl[@]}" delete cluster --name "$name"
       create
     fi
   else
@@ -71,14 +83,22 @@ up() {
 
 case "${1:-}" in
   up) up ;;
-  down)
+  stop)
+    lock
     if [ -d "$cluster_dir" ]; then
-      "$kwokctl" delete cluster --name "$name"
+      "${kwokctl[@]}" stop cluster --name "$name"
+      log "cluster $name stopped"
+    fi
+    ;;
+  down)
+    lock
+    if [ -d "$cluster_dir" ]; then
+      "${kwokctl[@]}" delete cluster --name "$name"
       log "cluster $name deleted"
     fi
     ;;
   status) healthy ;;
   kubeconfig) echo "$kubeconfig" ;;
   logs) echo "$cluster_dir/logs" ;;
-  *) die "usage: hack/cluster.sh up|down|status|kubeconfig|logs" ;;
+  *) die "usage: hack/cluster.sh up|stop|down|status|kubeconfig|logs" ;;
 esac

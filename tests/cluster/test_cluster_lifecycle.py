@@ -1,5 +1,7 @@
-"""The local cluster is reused while it runs, comes back after a teardown, and never rebuilds
-its cached binaries."""
+"""The local cluster is reused while it runs, comes back after a stop or a teardown, and never
+rebuilds its cached binaries."""
+import os
+
 import pytest
 from kubernetes import client
 
@@ -9,9 +11,9 @@ from testcluster.nodepools import build_nodes, load_pools
 
 pytestmark = pytest.mark.cluster
 
-# Its own cluster, so tearing it down does not pull the session's cluster from under the
-# other tests.
-RESTART_CLUSTER = "lazarus-restart-test"
+# Its own cluster, so tearing it down does not pull the shared cluster from under the other
+# tests, nor from under another test session running at the same time.
+RESTART_CLUSTER = f"lazarus-restart-test-{os.getpid()}"
 
 
 def test_up_reuses_the_running_cluster(cluster):
@@ -25,21 +27,27 @@ def test_up_reuses_the_running_cluster(cluster):
     assert "building" not in log
 
 
-def test_teardown_and_restart_reuse_the_cached_binaries(cluster):
+def test_stop_teardown_and_restart_reuse_the_cached_binaries(cluster):
     if not cluster.local:
         pytest.skip("only the local cluster is started by hack/cluster.sh")
     before = local.cached_binaries()
     expected_nodes = {n["metadata"]["name"] for n in build_nodes(load_pools())}
-    local.down(RESTART_CLUSTER)  # left over from an interrupted run
+
+    def up(expected_log):
+        kubeconfig, log = local.up(RESTART_CLUSTER)
+        assert expected_log in log
+        assert "building" not in log, f"a binary was rebuilt: {log}"
+        nodes = client.CoreV1Api(api_client(kubeconfig)).list_node().items
+        assert {n.metadata.name for n in nodes} == expected_nodes
+
     try:
-        for attempt in ("first start", "start after teardown"):
-            kubeconfig, log = local.up(RESTART_CLUSTER)
-            assert "creating the cluster" in log, f"{attempt}: {log}"
-            assert "building" not in log, f"{attempt} rebuilt a binary: {log}"
-            nodes = client.CoreV1Api(api_client(kubeconfig)).list_node().items
-            assert {n.metadata.name for n in nodes} == expected_nodes, attempt
-            local.down(RESTART_CLUSTER)
-            assert not local.is_running(RESTART_CLUSTER), f"{attempt}: still serving after down"
+        up("creating the cluster")
+        local.stop(RESTART_CLUSTER)
+        assert not local.is_running(RESTART_CLUSTER), "still serving after stop"
+        up("starting the stopped cluster")
+        local.down(RESTART_CLUSTER)
+        assert not local.is_running(RESTART_CLUSTER), "still serving after down"
+        up("creating the cluster")
     finally:
         local.down(RESTART_CLUSTER)
     assert local.cached_binaries() == before, "a cached binary was rebuilt or changed"

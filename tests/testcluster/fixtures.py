@@ -2,7 +2,9 @@
 
 - ``cluster`` (session): the local kwok cluster of hack/cluster.sh, started if missing and
   reused if running; or, when LAZARUS_TEST_KUBECONFIG is set, that cluster (kind, a real one).
-  A cluster this session started is deleted at its end unless LAZARUS_KEEP_CLUSTER=1.
+  The local cluster keeps running afterwards, for the next session (and any other session
+  running now) to reuse; ``hack/cluster.sh down`` stops it. LAZARUS_CLUSTER_TEARDOWN=1 deletes
+  it at the end of a session that started it.
 - ``namespace`` (function): a fresh namespace, deleted afterwards.
 - ``scratch_nodes`` (function, local cluster only): makes simulated nodes of a pool in zones
   of the test's own, deleted afterwards, so faults injected into them touch no other test.
@@ -64,12 +66,12 @@ def cluster():
 
     external = os.environ.get("LAZARUS_TEST_KUBECONFIG")
     if external:
-        yield Cluster(kubeconfig=Path(external), local=False)
+        yield Cluster(kubeconfig=Path(external), local=False, diagnostic_namespaces=["kube-system"])
         return
     was_running = local.is_running()
     kubeconfig, _ = local.up()
     yield Cluster(kubeconfig=kubeconfig, local=True, logs_dir=local.logs_dir())
-    if not was_running and os.environ.get("LAZARUS_KEEP_CLUSTER") != "1":
+    if not was_running and os.environ.get("LAZARUS_CLUSTER_TEARDOWN") == "1":
         local.down()
 
 

@@ -38,6 +38,12 @@ def down(name: str | None = None) -> None:
         raise RuntimeError(f"hack/cluster.sh down failed (exit {result.returncode}):\n{result.stderr}")
 
 
+def stop(name: str | None = None) -> None:
+    result = _run("stop", name=name, timeout=DOWN_TIMEOUT_S)
+    if result.returncode != 0:
+        raise RuntimeError(f"hack/cluster.sh stop failed (exit {result.returncode}):\n{result.stderr}")
+
+
 def is_running(name: str | None = None) -> bool:
     return _run("status", name=name, timeout=30).returncode == 0
 
