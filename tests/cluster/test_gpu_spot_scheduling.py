@@ -1,5 +1,7 @@
 """The real kube-scheduler places GPU pods on the simulated pools by their labels, taints and
-nvidia.com/gpu capacity, as it would on a cloud cluster."""
+nvidia.com/gpu capacity, as it would on a cloud cluster.
+
+The pods ask for one GPU, so they still fit when other tests share the cluster's GPUs."""
 import pytest
 
 from testcluster.kube import pod_scheduling_message, wait_pod_phase
@@ -35,7 +37,7 @@ def gpu_pod(name: str, num_gpus: int, *, node_selector: dict | None = None, tole
 def test_spot_gpu_pod_is_bound_to_a_spot_node_and_runs(cluster, namespace):
     core = cluster.core
     core.create_namespaced_pod(namespace, gpu_pod(
-        "trainer", 4, node_selector={"karpenter.sh/capacity-type": "spot"}, tolerations=SPOT_TOLERATIONS,
+        "trainer", 1, node_selector={"karpenter.sh/capacity-type": "spot"}, tolerations=SPOT_TOLERATIONS,
     ))
 
     pod = wait_pod_phase(core, namespace, "trainer", "Running", timeout=60)
@@ -51,7 +53,7 @@ def test_spot_gpu_pod_is_bound_to_a_spot_node_and_runs(cluster, namespace):
 
 def test_gpu_pod_without_spot_toleration_lands_on_demand(cluster, namespace):
     core = cluster.core
-    core.create_namespaced_pod(namespace, gpu_pod("trainer", 8, tolerations=GPU_TOLERATIONS))
+    core.create_namespaced_pod(namespace, gpu_pod("trainer", 1, tolerations=GPU_TOLERATIONS))
 
     pod = wait_pod_phase(core, namespace, "trainer", "Running", timeout=60)
 
