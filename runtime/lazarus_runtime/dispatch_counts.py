@@ -57,35 +57,31 @@ def dispatch_counts(tokens_EW: np.ndarray, replicas_EW: np.ndarray) -> np.ndarra
 
 
 def _proportional_transport(supply_EW: np.ndarray, demand_EW: np.ndarray) -> np.ndarray:
-    """Integer flows src -> dst with row sums = supply and column sums = demand, where each
-    sender's flow is spread over receivers in proportion to their demand.
+    """Integer flows src -> dst with row sums = supply and column sums = demand, each within
+    one of the proportional ideal supply_i * demand_j / total.
 
-    Receivers are filled one at a time. Receiver j takes its demand from the senders in
-    proportion to their *remaining* supply (largest remainder, ties to the lowest rank).
-    Each share is at most the sender's remaining supply, so nothing goes negative, and the
-    last receiver's demand equals the total remaining supply, so every row empties exactly.
-    Taking from remaining supply keeps every sender's split close to the ideal
-    supply_i * demand_j / total, because any rounding drift is corrected by later receivers.
+    Start from the ideal rounded down; rows and columns are then short by small integers,
+    and the ideal's fractional parts show that some 0/1 top-up matrix with exactly those
+    margins exists. Sender by sender (rank order), each takes its missing units from the
+    receivers still short by the most (ties to the lowest rank). That greedy never gets
+    stuck (Gale-Ryser: any feasible top-up can be swapped into one that uses, for this
+    sender, the columns with the largest remaining shortfall), so every margin is exact.
     """
     E, W = supply_EW.shape
-    assert (supply_EW.sum(axis=1) == demand_EW.sum(axis=1)).all()
-    flows_EWW = np.zeros((E, W, W), dtype=np.int64)
-    remaining_EW = supply_EW.copy()
-    for dst in range(W):
-        demand_E = demand_EW[:, dst]
-        pool_E = remaining_EW.sum(axis=1)
-        if not demand_E.any():
-            continue
-        safe_pool_E = np.maximum(pool_E, 1)
-        numer_EW = demand_E[:, None] * remaining_EW
-        share_EW, rem_EW = np.divmod(numer_EW, safe_pool_E[:, None])
-        missing_E = demand_E - share_EW.sum(axis=1)
-        # The `missing` senders with the largest remainders get one more (stable: low rank first).
-        order_EW = np.argsort(-rem_EW, axis=1, kind="stable")
+    total_E = supply_EW.sum(axis=1)
+    assert (total_E == demand_EW.sum(axis=1)).all()
+    # Integer arithmetic: every rank rounds identically.
+    ideal_numer_EWW = supply_EW[:, :, None] * demand_EW[:, None, :]
+    flows_EWW = ideal_numer_EWW // np.maximum(total_E, 1)[:, None, None]
+    short_rows_EW = supply_EW - flows_EWW.sum(axis=2)
+    short_cols_EW = demand_EW - flows_EWW.sum(axis=1)
+    ranks_EW = np.broadcast_to(np.arange(W), (E, W))
+    for src in range(W):
+        order_EW = np.argsort(-short_cols_EW, axis=1, kind="stable")
         place_EW = np.empty_like(order_EW)
-        np.put_along_axis(place_EW, order_EW, np.arange(W)[None, :].repeat(E, 0), axis=1)
-        share_EW += place_EW < missing_E[:, None]
-        flows_EWW[:, :, dst] = share_EW
-        remaining_EW -= share_EW
-    assert (remaining_EW == 0).all() and (flows_EWW >= 0).all()
+        np.put_along_axis(place_EW, order_EW, ranks_EW, axis=1)
+        top_up_EW = (place_EW < short_rows_EW[:, src, None]).astype(np.int64)
+        flows_EWW[:, src, :] += top_up_EW
+        short_cols_EW -= top_up_EW
+    assert (short_cols_EW == 0).all() and (flows_EWW >= 0).all()
     return flows_EWW

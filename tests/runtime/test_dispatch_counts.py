@@ -34,8 +34,8 @@ def test_uneven_split_gives_the_leftover_to_the_lowest_ranks():
 
 
 def test_two_senders_share_two_receivers_in_proportion():
-    # Leftovers 3 and 2, residuals 3 and 2: the ideal flows 1.8, 1.2, 1.2, 0.8 round to
-    # 2, 1, 1, 1 (largest remainder, ties to the lowest rank).
+    # Leftovers 3 and 2, residuals 3 and 2: the ideal flows 1.8, 1.2, 1.2, 0.8 floor to
+    # 1, 1, 1, 0; each sender then tops up the receiver short by most (ties: lowest rank).
     counts = dispatch_counts([[3, 2, 0, 0]], [[0, 0, 1, 1]])
     np.testing.assert_array_equal(counts[0], [[0, 0, 2, 1],
                                               [0, 0, 1, 1],
@@ -67,7 +67,7 @@ def test_expert_without_any_replica_is_a_clear_error():
 
 @st.composite
 def gathered_counts(draw):
-    W = draw(st.integers(1, 6))
+    W = draw(st.integers(1, 12))
     E = draw(st.integers(1, 4))
     replicas = np.array(draw(st.lists(st.lists(st.integers(0, 3), min_size=W, max_size=W),
                                       min_size=E, max_size=E)))
@@ -97,10 +97,10 @@ def test_invariants(case):
     diag = counts[:, np.arange(W), np.arange(W)]
     # Local replicas first: a rank keeps min(own tokens, capacity).
     np.testing.assert_array_equal(diag, np.minimum(tokens, capacity))
-    # Leftovers spread in proportion to residual capacity, within rounding.
+    # Leftovers spread in proportion to residual capacity, each flow within one of ideal.
     leftover, residual = tokens - diag, capacity - diag
     total = leftover.sum(1)
     for e in np.flatnonzero(total):
         remote = counts[e] - np.diag(diag[e])
         ideal = np.outer(leftover[e], residual[e]) / total[e]
-        assert np.abs(remote - ideal).max() < 2
+        assert np.abs(remote - ideal).max() <= 1
