@@ -1,9 +1,14 @@
 """The manifest's spec.runtime section becomes typed configs, or an error naming the field."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from lazarus_runtime.config import NAMED_MODELS, RuntimeConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_named_model_with_overrides():
@@ -43,3 +48,10 @@ def test_paper_models_have_the_paper_sizes():
 def test_bad_values_name_their_field(runtime, field):
     with pytest.raises(ValueError, match=rf"^(runtime: unknown field\(s\) )?{field}"):
         RuntimeConfig.from_manifest(runtime)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_manifests_configure_the_runtime(path):
+    runtime = yaml.safe_load(path.read_text())["spec"]["runtime"]
+    cfg = RuntimeConfig.from_manifest(runtime)
+    assert (cfg.model.experts, cfg.model.layers) == (runtime["experts"], runtime["layers"])
