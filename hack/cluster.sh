@@ -11,6 +11,7 @@
 #   hack/cluster.sh status      exit 0 if the cluster is up and serving
 #   hack/cluster.sh kubeconfig  print the kubeconfig path
 #   hack/cluster.sh logs        print the directory holding the components' logs
+#   hack/cluster.sh path        print the cached tools' directories (kubectl, helm, ...) for PATH
 #
 # LAZARUS_CLUSTER_NAME (default: lazarus) selects the cluster, so a test can run its own.
 set -euo pipefail
@@ -29,6 +30,14 @@ kwokctl=("$KWOK_BIN_DIR/kwokctl" --v WARN)
 kubectl=("$KUBE_BIN_DIR/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s)
 
 healthy() { [ -f "$kubeconfig" ] && "${kubectl[@]}" get --raw /readyz >/dev/null 2>&1; }
+
+# A cluster made before a pin in control-plane-versions.sh changed runs the old binaries.
+current() {
+  local dir
+  for dir in "$KUBE_BIN_DIR" "$ETCD_BIN_DIR" "$KWOK_BIN_DIR"; do
+    grep -qF "Binary: $dir/" "$cluster_dir/kwok.yaml" 2>/dev/null || return 1
+  done
+}
 
 create() {
   # --kubeconfig "" keeps kwokctl away from ~/.kube/config; ours is $kubeconfig.
@@ -59,6 +68,10 @@ up() {
   "$LAZARUS_ROOT/hack/build-control-plane.sh"
   lock
   local start=$SECONDS
+  if [ -d "$cluster_dir" ] && ! current; then
+    log "the cluster $name runs other versions than control-plane-versions.sh pins; recreating it"
+    "${kwokctl[@]}" delete cluster --name "$name"
+  fi
   if healthy; then
     log "reusing the running cluster $name"
   elif [ -d "$cluster_dir" ]; then
@@ -100,5 +113,6 @@ case "${1:-}" in
   status) healthy ;;
   kubeconfig) echo "$kubeconfig" ;;
   logs) echo "$cluster_dir/logs" ;;
-  *) die "usage: hack/cluster.sh up|stop|down|status|kubeconfig|logs" ;;
+  path) echo "$KUBE_BIN_DIR:$HELM_BIN_DIR:$KWOK_BIN_DIR:$ETCD_BIN_DIR" ;;
+  *) die "usage: hack/cluster.sh up|stop|down|status|kubeconfig|logs|path" ;;
 esac

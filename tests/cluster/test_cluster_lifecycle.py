@@ -1,6 +1,7 @@
 """The local cluster is reused while it runs, comes back after a stop or a teardown, and never
 rebuilds its cached binaries."""
 import os
+import subprocess
 
 import pytest
 from kubernetes import client
@@ -51,3 +52,15 @@ def test_stop_teardown_and_restart_reuse_the_cached_binaries(cluster):
     finally:
         local.down(RESTART_CLUSTER)
     assert local.cached_binaries() == before, "a cached binary was rebuilt or changed"
+
+
+def test_env_gives_subprocesses_the_cluster_and_its_tools(cluster):
+    result = subprocess.run(["kubectl", "get", "nodes", "-o", "name"], env=cluster.env(),
+                            capture_output=True, text=True, timeout=30)
+
+    assert result.returncode == 0, result.stderr
+    assert {n.metadata.name for n in cluster.core.list_node().items} == {
+        line.removeprefix("node/") for line in result.stdout.split()
+    }
+    helm = subprocess.run(["helm", "version", "--short"], env=cluster.env(), capture_output=True, text=True, timeout=30)
+    assert helm.returncode == 0 and helm.stdout.startswith("v3."), helm.stderr

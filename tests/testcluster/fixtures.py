@@ -53,6 +53,16 @@ class Cluster:
 
         return client.CoreV1Api(self.api)
 
+    def env(self) -> dict[str, str]:
+        """The environment for a subprocess (kubectl, helm, the operator) that should talk to
+        this cluster: its KUBECONFIG, and the cached kubectl and helm first on PATH."""
+        from testcluster.local import tools_path
+
+        return os.environ | {
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{tools_path()}:{os.environ.get('PATH', '')}",
+        }
+
     def api_as(self, user: str):
         """An API client that impersonates ``user`` (RBAC applies to it, not to the admin)."""
         from testcluster.kube import api_client

@@ -52,6 +52,11 @@ def logs_dir(name: str | None = None) -> Path:
     return Path(_run("logs", name=name, timeout=30).stdout.strip())
 
 
+def tools_path() -> str:
+    """The cached tools' directories (kubectl, helm, kwokctl, etcd), PATH-style."""
+    return _run("path", name=None, timeout=30).stdout.strip()
+
+
 def cached_binaries() -> dict[str, int]:
     """Every cached control-plane binary and its modification time (ns), to tell a reuse from a
     rebuild."""
