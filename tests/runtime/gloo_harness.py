@@ -52,9 +52,15 @@ def run_gloo(fn, world_size: int, args=(), timeout_s: float = 120.0) -> list:
     try:
         while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
-                raise TimeoutError(f"gloo workers did not finish in {timeout_s:.0f} s") from None
+                # A worker killed by a signal never reports: fail now, not at the deadline.
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} died without a result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo workers did not finish in {timeout_s:.0f} s")
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
