@@ -58,7 +58,8 @@ def run(args) -> int:
         print(f"wrote {path}")
         return 0
     cfg = config.parse(settings_from(args))
-    progress = Progress(cfg.seeds * 3, "simulating", enabled=not args.no_progress and sys.stderr.isatty())
+    progress = Progress(cfg.seeds * 3, "simulating",
+                        enabled=not args.no_progress and sys.stderr.isatty())
     results = scenario.run(cfg, progress.tick)
     summaries = scenario.summarise(results)
     label = results["lazarus"][0].trace

@@ -292,7 +292,8 @@ def _report(mtbf, spot, ours, spot_notice, figures) -> str:
         "",
         f"Our solver re-planning a rebalanced plan after losing k random nodes ({RECONFIG_DRAWS}",
         f"draws; means over the recoverable ones), timed with the cost model",
-        f"({costs.rebuild_s:g} s fixed + the busiest node's transfers at {costs.link_gb_per_s:g} GB/s).",
+        f"({costs.rebuild_s:g} s fixed + the busiest node's transfers at "
+        f"{costs.link_gb_per_s:g} GB/s).",
         "The paper's rows are single events at steps 200 and 4000 of real runs.",
         "",
     ]
@@ -335,9 +336,9 @@ _WHY = """## Where we differ from the paper, and why
   full restart takes (we assume 60 s plus reading the checkpoint back). Any longer wait or
   restart on the paper's testbed widens the gap; GPT-L, with the larger checkpoint, is hit
   hardest, which is the paper's pattern too.
-- **Against DS(FT), GPT-L lands near the paper's ratios and GPT-S comes out higher.** Our DS(FT) grows
-  back into each replacement node with a second restart right after its next checkpoint;
-  the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps that extra
+- **Against DS(FT), GPT-L lands near the paper's ratios and GPT-S comes out higher.** Our
+  DS(FT) grows back into each replacement node with a second restart right after its next
+  checkpoint; the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps that extra
   restart weighs more than the work it wins back.
 - **On the spot trace our DeepSpeed mostly waits rather than restarts.** It needs its full
   10-node world back before it can restart, and this trace seldom holds 10 nodes for long;

@@ -110,15 +110,16 @@ class Lazarus(Job):
         self.pending: str | None = None
         self.rebalanced_step = 0
         self._balanced: Plan | None = None  # the last plan a rebalance found nothing to gain on
-        self._step_cache: dict[int, float] = {}
+        self._step_for: tuple[Plan | None, float] = (None, 0.0)  # (plan, its step time)
 
     # --- throughput -------------------------------------------------------------------
 
     def step_seconds(self) -> float:
-        key = id(self.plan)
-        if key not in self._step_cache:
-            self._step_cache = {key: step_seconds(self.model, lazarus_imbalance(self.plan, self.loads))}
-        return self._step_cache[key]
+        plan, seconds = self._step_for
+        if plan is not self.plan:
+            seconds = step_seconds(self.model, lazarus_imbalance(self.plan, self.loads))
+            self._step_for = (self.plan, seconds)
+        return seconds
 
     # --- events -----------------------------------------------------------------------
 
@@ -223,8 +224,7 @@ class Lazarus(Job):
         return feasible_min_replicas(self.min_replicas, nodes, self.model.experts)
 
     def _plan_nodes(self, plan: Plan) -> list[NodeSpec]:
-        by_name = {**self.alive}
-        return [by_name[n.name] for n in plan.nodes if n.name in by_name]
+        return [self.alive[n.name] for n in plan.nodes if n.name in self.alive]
 
     @staticmethod
     def _names(plan: Plan | None) -> set[str]:
