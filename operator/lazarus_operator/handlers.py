@@ -17,8 +17,9 @@ from . import builders
 from .reconciler import Reconciler
 
 JOBS = f"{builders.PLURAL}.{builders.VERSION}.{builders.GROUP}"
-# Level-triggered safety net: catches deadlines the core asked for and anything missed.
-RESYNC_S = 5.0
+# No kopf timer or daemon on jobs: kopf puts a finalizer on every object that has one, and a
+# job would then outlive an uninstalled operator (and block its namespace's deletion). The
+# reconciler schedules its own retries when the core asks for one.
 
 
 @kopf.on.startup()
@@ -55,11 +56,6 @@ def job_spec_changed(spec: kopf.Spec, name: str, namespace: str, status: kopf.St
         }]
         patch.status["observedGeneration"] = meta.get("generation")
         raise kopf.PermanentError(str(e))
-    memo.reconciler.request(namespace, name)
-
-
-@kopf.timer(JOBS, interval=RESYNC_S, sharp=False)
-def job_resync(name: str, namespace: str, memo: kopf.Memo, **_) -> None:
     memo.reconciler.request(namespace, name)
 
 

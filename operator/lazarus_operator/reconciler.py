@@ -46,6 +46,7 @@ class _Job:
     dirty: bool = False
     running: bool = False
     service_ready: bool = False
+    retry: threading.Timer | None = None
 
 
 class Reconciler:
@@ -100,7 +101,9 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         with self._jobs_guard:
-            self.jobs.pop((namespace, name), None)
+            job = self.jobs.pop((namespace, name), None)
+        if job is not None and job.retry is not None:
+            job.retry.cancel()
         metrics.forget(namespace, name)
 
     # --- one pass -----------------------------------------------------------------------
@@ -147,6 +150,16 @@ class Reconciler:
             job.state = None  # rebuild from the API server next time: it is the truth
             raise
         job.state = outcome.state
+        if outcome.retry_at is not None:
+            self._retry(job, namespace, name, outcome.retry_at - now)
+
+    def _retry(self, job: _Job, namespace: str, name: str, delay: float) -> None:
+        """Reconcile again after ``delay`` seconds (a deadline the core asked for)."""
+        if job.retry is not None:
+            job.retry.cancel()
+        job.retry = threading.Timer(max(0.0, delay), self.request, (namespace, name))
+        job.retry.daemon = True
+        job.retry.start()
 
     def _apply(self, body: dict, spec: JobSpec, outcome: core.Outcome, obs: Observation,
                started: float) -> None:

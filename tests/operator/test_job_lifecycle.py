@@ -184,3 +184,16 @@ def test_operator_killed_mid_reconfiguration_converges(cluster, operator, jobs, 
     published = sorted(int(e.message.split()[1]) for e in jobs.events("crash")
                        if e.reason in ("PlanPublished", "Reconfigured"))
     assert published == [1, 2, 3]
+
+
+def test_deleting_the_job_leaves_no_orphans(cluster, operator, jobs, scratch_nodes):
+    started(jobs, scratch_nodes, "gone", nodes=2, zones=1, maxNodes=2, replicas=2)
+    # No finalizer: a job never outlives the operator, nor blocks its namespace's deletion.
+    assert not jobs.get("gone")["metadata"].get("finalizers")
+    jobs.custom.delete_namespaced_custom_object("lazarus.dev", "v1alpha1", jobs.namespace,
+                                                "lazarusjobs", "gone",
+                                                propagation_policy="Foreground")
+    core = cluster.core
+    wait_until(lambda: not jobs.workers("gone") and jobs.plan("gone") is None and not
+               core.list_namespaced_service(jobs.namespace, label_selector="lazarus.dev/job=gone").items,
+               timeout=30, what="the job's pods, plan ConfigMap and Service to be garbage-collected")
