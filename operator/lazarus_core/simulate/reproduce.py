@@ -338,8 +338,8 @@ _WHY = """## Where we differ from the paper, and why
   hardest, which is the paper's pattern too.
 - **Against DS(FT), GPT-L lands near the paper's ratios and GPT-S comes out higher.** Our
   DS(FT) grows back into each replacement node with a second restart right after its next
-  checkpoint; the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps that extra
-  restart weighs more than the work it wins back.
+  checkpoint; the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps
+  that extra restart weighs more than the work it wins back.
 - **On the spot trace our DeepSpeed mostly waits rather than restarts.** It needs its full
   10-node world back before it can restart, and this trace seldom holds 10 nodes for long;
   the paper's Fig. 11 books DeepSpeed's lost time as checkpointing and restarting. Either
@@ -356,8 +356,15 @@ _WHY = """## Where we differ from the paper, and why
   returns one worse than spread or compact).
 - **More experts migrate per reconfiguration than in Table 2.** After a loss our solver
   re-allocates replicas to the smaller slot count in every layer and maps nodes by optimal
-  assignment; the paper's counts come from its own loads and greedy mapping. The fixed
-  rebuild dominates either way, which is why cutting it (next section) matters more.
+  assignment; the paper's counts come from its own loads and greedy mapping. For GPT-L the
+  transfers then take longer than the paper's 7.6 s: moving fewer experts is the solver's
+  lever there, and cutting the fixed rebuild (next section) is the other.
+- **Spot notices buy little once reconfiguration is cheap.** Migrating off a node as soon
+  as its notice arrives gives up that node's throughput for the rest of the notice period,
+  and saves only the step in flight and the rebuild that would follow the loss anyway. They
+  pay off when a loss would be unrecoverable (mass drops, zone outages). Starting the
+  migration just in time, one migration's length before the deadline, would keep both
+  benefits; the simulator models the simple policy only.
 - **With equal loads, GPT-L on Lazarus is slower than DeepSpeed (the 1:1 row).** 60 slots
   cannot give 16 experts equal replica counts (twelve get 4, four get 3), and MRO nests the
   four 3-replica experts on the same first three nodes, so those ranks compute about 15%
