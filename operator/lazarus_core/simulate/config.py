@@ -19,21 +19,21 @@ duration_s (0 for availability and events: to the end of the file).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from ..placement import POLICIES
 from ..plan_command import parse_loads
-from .strategies import STRATEGIES
-from .trace import Trace, exponential, from_availability, read_availability, read_events, \
-    zone_correlated
 from .settings import checked, mapping, override
+from .strategies import STRATEGIES
+from .trace import (Trace, exponential, from_availability, read_availability, read_events,
+                    zone_correlated)
 from .workload import PRESETS, Costs, ModelSpec
 
 # Skew that reproduces the paper's no-failure GPT-M result (45 vs 34 samples/s): the hottest
-# of 12 experts gets 2.6x the coldest's tokens.
+# of 12 experts gets 2.7x the coldest's tokens.
 DEFAULT_LOADS = "zipf:0.4"
 _TRACE_FIELDS = {
     "mtbf": {"mtbf_s": 300.0, "replace_s": 120.0, "notice_s": 0.0, "zones": 1,
@@ -61,7 +61,7 @@ class SimConfig:
     loads: list[list[float]]
     trace: dict  # kind plus that kind's fields
     seeds: int
-    strategies: dict[str, dict] = field(default_factory=dict)
+    strategies: dict[str, dict]  # strategy -> its settings
 
     def traces(self) -> list[Trace]:
         return [build_trace(self.trace, self.cluster["nodes"], seed) for seed in range(self.seeds)]
