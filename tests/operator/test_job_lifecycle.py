@@ -192,7 +192,7 @@ def test_deleting_the_job_leaves_no_orphans(cluster, operator, jobs, scratch_nod
     assert not jobs.get("gone")["metadata"].get("finalizers")
     jobs.custom.delete_namespaced_custom_object("lazarus.dev", "v1alpha1", jobs.namespace,
                                                 "lazarusjobs", "gone",
-                                                propagation_policy="Foreground")
+                                                propagation_policy="Background")
     core = cluster.core
     wait_until(lambda: not jobs.workers("gone") and jobs.plan("gone") is None and not
                core.list_namespaced_service(jobs.namespace, label_selector="lazarus.dev/job=gone").items,

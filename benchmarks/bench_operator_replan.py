@@ -1,0 +1,239 @@
+"""How fast the operator re-plans a large job after losing nodes, and what it costs.
+
+A kwok cluster (hack/cluster.sh, its own instance) gets N simulated GPU spot nodes over four
+zones and one LazarusJob of J nodes. The real operator runs as a subprocess. Each run deletes
+5% of the job's nodes at once and measures the time from the first deletion to the new plan
+generation being readable in its ConfigMap; then new nodes are added and the job grows back
+before the next run. The operator's CPU time and peak memory are sampled throughout.
+
+    python benchmarks/bench_operator_replan.py [--nodes 1000] [--job-nodes 512] [--runs 5]
+
+Prints a table. Targets (issue 6): p99 < 2 s, operator memory < 300 MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from testcluster import local  # noqa: E402
+from testcluster.kube import api_client  # noqa: E402
+from testcluster.nodepools import build_node, load_pools  # noqa: E402
+
+GROUP, VERSION, PLURAL = "lazarus.dev", "v1alpha1", "lazarusjobs"
+ZONES = 4
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=1000, help="simulated GPU nodes in the cluster")
+    p.add_argument("--job-nodes", type=int, default=512, help="nodes the job runs on")
+    p.add_argument("--lose-percent", type=int, default=5, help="share of the job's nodes deleted at once")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--cluster", default="lazarus-bench", help="hack/cluster.sh cluster name")
+    p.add_argument("--keep-cluster", action="store_true", help="leave the cluster running")
+    p.add_argument("--timeout", type=float, default=900, help="bound on each wait, seconds")
+    args = p.parse_args()
+
+    kubeconfig, _ = local.up(args.cluster)
+    from kubernetes import client
+
+    api = api_client(str(kubeconfig))
+    api.rest_client.pool_manager.connection_pool_kw["maxsize"] = 32
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    _apply_crds(client.ApiextensionsV1Api(api))
+    pools = load_pools()
+    pool = pools.pool("gpu-spot")
+    pool_threads = ThreadPoolExecutor(16)
+    serial = iter(range(10**9))
+
+    def add_nodes(count: int) -> list[str]:
+        names = []
+        nodes = []
+        for _ in range(count):
+            i = next(serial)
+            zone = f"{ns}-z{i % ZONES}"
+            name = f"{zone}-{i}"
+            node = build_node(pool, pools.region, zone, name)
+            node["metadata"]["labels"]["lazarus.dev/bench"] = ns
+            nodes.append(node)
+            names.append(name)
+        list(pool_threads.map(core.create_node, nodes))
+        return names
+
+    def delete_nodes(names: list[str]) -> None:
+        list(pool_threads.map(core.delete_node, names))
+
+    operator = None
+    try:
+        t = time.monotonic()
+        add_nodes(args.nodes)
+        print(f"created {args.nodes} simulated nodes in {time.monotonic() - t:.0f} s", flush=True)
+        metrics_port = 18080 + os.getpid() % 1000
+        log = open(ROOT / "benchmarks" / f"operator-{ns}.log", "w")
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "lazarus_operator", f"--namespace={ns}", "--standalone",
+             f"--metrics-port={metrics_port}", "--liveness=", "--start-grace-seconds=30"],
+            env=dict(os.environ, KUBECONFIG=str(kubeconfig)), stdout=log, stderr=subprocess.STDOUT)
+        sampler = Sampler(operator.pid)
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job(ns, args.job_nodes))
+
+        def plan() -> dict | None:
+            try:
+                cm = core.read_namespaced_config_map("bench-plan", ns)
+            except client.ApiException as e:
+                if e.status == 404:
+                    return None
+                raise
+            return json.loads(cm.data["plan.json"])
+
+        t = time.monotonic()
+        full = _wait(lambda: (pl := plan()) and len(pl["nodes"]) == args.job_nodes and pl,
+                     args.timeout, f"the job to run on {args.job_nodes} nodes")
+        print(f"job running on {args.job_nodes} nodes (generation {full['generation']}) after "
+              f"{time.monotonic() - t:.0f} s", flush=True)
+        lose = max(1, math.ceil(args.job_nodes * args.lose_percent / 100))
+        latencies, cpu_per_replan = [], []
+        for run in range(args.runs):
+            time.sleep(3)  # let the previous growth's fan-out settle
+            before = plan()
+            victims = [n["name"] for n in before["nodes"]][run::max(1, args.job_nodes // lose)][:lose]
+            cpu0 = sampler.cpu()
+            t0 = time.monotonic()
+            delete_nodes(victims)
+            after = _wait(lambda: (pl := plan()) and pl["generation"] > before["generation"] and pl,
+                          args.timeout, "the new plan", interval=0.02)
+            latencies.append(time.monotonic() - t0)
+            cpu_per_replan.append(sampler.cpu() - cpu0)
+            assert not set(victims) & {n["name"] for n in after["nodes"]}, "a lost node is in the plan"
+            print(f"run {run + 1}: lost {lose} nodes, generation {after['generation']} "
+                  f"({after['reason']}, {len(after['nodes'])} nodes) after {latencies[-1]:.2f} s",
+                  flush=True)
+            add_nodes(lose)
+            _wait(lambda: len(plan()["nodes"]) == args.job_nodes, args.timeout,
+                  "the job to grow back")
+        _report(args, lose, latencies, cpu_per_replan, sampler)
+    finally:
+        if operator is not None:
+            operator.terminate()
+            operator.wait(timeout=30)
+        core.delete_namespace(ns)
+        nodes = core.list_node(label_selector=f"lazarus.dev/bench={ns}").items
+        delete_nodes([n.metadata.name for n in nodes])
+        if not args.keep_cluster:
+            local.down(args.cluster)
+    return 0
+
+
+class Sampler:
+    """Peak resident memory and CPU time of the operator process, sampled every 100 ms."""
+
+    def __init__(self, pid: int):
+        self.proc = psutil.Process(pid)
+        self.peak_rss = 0
+        self.started = time.monotonic()
+        self.cpu_start = self.cpu()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def cpu(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.1)
+
+
+def _report(args, lose, latencies, cpu_per_replan, sampler: Sampler) -> None:
+    lat = sorted(latencies)
+    p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+    wall = time.monotonic() - sampler.started
+    rows = [
+        ("cluster nodes / job nodes / lost at once", f"{args.nodes} / {args.job_nodes} / {lose}"),
+        ("runs", str(len(lat))),
+        ("deletion -> new plan, p50", f"{statistics.median(lat):.2f} s"),
+        ("deletion -> new plan, p99", f"{p99:.2f} s  (target < 2 s)"),
+        ("deletion -> new plan, min / max", f"{lat[0]:.2f} / {lat[-1]:.2f} s"),
+        ("operator CPU per re-plan (median)", f"{statistics.median(cpu_per_replan):.2f} s"),
+        ("operator CPU, whole benchmark", f"{sampler.cpu() - sampler.cpu_start:.1f} s over "
+                                          f"{wall:.0f} s wall ({100 * (sampler.cpu() - sampler.cpu_start) / wall:.0f}% of a core)"),
+        ("operator peak memory (RSS)", f"{sampler.peak_rss / 2**20:.0f} MiB  (target < 300 MiB)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    print(f"{'metric':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 40}")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def _job(ns: str, nodes: int) -> dict:
+    # GPT-L-like: 12 MoE layers, 16 experts, 6 slots per GPU (paper-notes.md), f = 2.
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "LazarusJob",
+        "metadata": {"name": "bench", "namespace": ns},
+        "spec": {
+            "runtime": {"model": "gpt-l", "experts": 16, "layers": 12},
+            "minNodes": nodes // 2, "maxNodes": nodes, "replicas": nodes,
+            "gpusPerNode": 1, "slotsPerGpu": 6, "minReplicas": 2,
+            "template": {
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+                "nodeSelector": {"lazarus.dev/bench": ns},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"},
+                                {"key": "cloud.google.com/gke-spot", "operator": "Exists"}],
+            },
+        },
+    }
+
+
+def _apply_crds(ext) -> None:
+    from kubernetes import client
+
+    for doc in yaml.safe_load_all((ROOT / "crds" / "lazarusjob.yaml").read_text()):
+        try:
+            ext.create_custom_resource_definition(doc)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+    _wait(lambda: any(c.type == "Established" and c.status == "True" for c in
+                      ext.read_custom_resource_definition("lazarusjobs.lazarus.dev").status.conditions or []),
+          60, "the CRD")
+
+
+def _wait(check, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception:  # noqa: BLE001 - transient API errors retry until the deadline
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
