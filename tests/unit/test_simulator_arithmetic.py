@@ -14,8 +14,8 @@ from lazarus_core.topology import NodeSpec
 
 MODEL = ModelSpec("toy", experts=1, layers=1, expert_mb=500, dense_gb=1.5, step_s=0.5,
                   expert_fraction=0.0, batch_per_gpu=4)
-COSTS = Costs(checkpoint_gb_per_s=1.0, restore_gb_per_s=2.0, restart_s=3.0, rebuild_s=2.0,
-              link_gb_per_s=0.5)
+COSTS = Costs(checkpoint_gb_per_s=1.0, restore_gb_per_s=2.0, restart_s=3.0, detect_s=1.0,
+              rebuild_s=2.0, link_gb_per_s=0.5)
 NODE = NodeSpec("template", 1, 1)
 LOADS = [[1.0]]
 
@@ -77,24 +77,24 @@ def test_elastic_restart_one_failure_then_growth_after_a_checkpoint():
 
 def test_lazarus_one_failure_reconfigures_in_place():
     # One expert with a replica on each of 3 nodes. Lost at 10.25: the quarter step in flight
-    # is redone; the survivors hold the expert already, so the reconfiguration is the fixed
-    # rebuild only (10.25-12.25). The replacement joins at 20 mid-step; the step ends at
-    # 20.25, then one replica moves to it: 2 s + 0.5 GB at 0.5 GB/s = 3 s (20.25-23.25).
-    # 23.25-30 trains 13 steps and a quarter.
+    # is redone; the survivors hold the expert already, so the reconfiguration is detection
+    # and rebuild only, 1 s + 2 s (10.25-13.25). The replacement joins at 20 mid-step; the
+    # step ends at 20.25, then one replica moves to it: no detection, 2 s + 0.5 GB at
+    # 0.5 GB/s = 3 s (20.25-23.25). 23.25-30 trains 13 steps and a quarter.
     job = Lazarus(MODEL, COSTS, 1000, NODE, LOADS, min_replicas=2, rebalance_every=1000)
     r = job.run(trace(3, 30.0, (10.25, "lose", "node-1"), (20.0, "join", "node-3")))
-    assert r.steps == 20 + 16 + 13
-    assert r.samples == 20 * 12 + 16 * 8 + 13 * 12
-    assert breakdown(r) == pytest.approx({"compute": 24.75, "lost": 0.25,
-                                          "reconfiguration": 5.0}, abs=1e-9)
+    assert r.steps == 20 + 14 + 13
+    assert r.samples == 20 * 12 + 14 * 8 + 13 * 12
+    assert breakdown(r) == pytest.approx({"compute": 23.75, "lost": 0.25,
+                                          "reconfiguration": 6.0}, abs=1e-9)
     assert (r.counts["reconfigurations"], r.counts["experts_migrated"]) == (2, 1)
     assert r.counts["restores"] == 0
 
 
 def test_lazarus_restores_from_checkpoint_when_every_replica_is_lost():
     # f = 1 on 2 nodes x 1 slot and 2 experts: each expert on one node. Losing node-0 loses
-    # an expert for good, so Lazarus reloads the checkpoint (rebuild 2 s + read 1 s) and
-    # waits for a node to hold the model again.
+    # an expert for good. Lazarus waits for a node to hold the model again, then reloads the
+    # checkpoint (rebuild 2 s + read 1 s; the loss was detected while it waited).
     model = ModelSpec("toy2", experts=2, layers=1, expert_mb=250, dense_gb=1.5, step_s=0.5,
                       expert_fraction=0.0)
     job = Lazarus(model, COSTS, 10, NODE, [[1.0, 1.0]], min_replicas=1, rebalance_every=1000)
@@ -105,3 +105,16 @@ def test_lazarus_restores_from_checkpoint_when_every_replica_is_lost():
     assert r.steps == 20
     assert breakdown(r) == {"compute": 10.0, "lost": 2.0, "waiting": 1.0, "restart": 3.0,
                             "checkpoint": 4.0}
+
+
+def test_lazarus_moves_off_a_node_under_spot_notice_before_it_goes():
+    # Notice for node-1 at 10.25: the step in flight ends at 10.5, then a planned
+    # reconfiguration without node-1 (the survivors hold the expert: rebuild only, 2 s, no
+    # detection) commits at 12.5. The loss at 13 then costs nothing: 12.5-30 trains 35 steps
+    # on 2 nodes.
+    job = Lazarus(MODEL, COSTS, 1000, NODE, LOADS, min_replicas=2, rebalance_every=1000,
+                  use_notices=True)
+    r = job.run(trace(3, 30.0, (10.25, "notice", "node-1"), (13.0, "lose", "node-1")))
+    assert (r.steps, r.samples) == (21 + 35, 21 * 12 + 35 * 8)
+    assert breakdown(r) == {"compute": 28.0, "reconfiguration": 2.0}
+    assert r.counts["failures"] == 0

@@ -5,7 +5,7 @@
     loads: zipf:0.4                  # or per-expert loads, or one list per layer
     trace: {kind: mtbf, mtbf_s: 300, replace_s: 120, duration_s: 4800, notice_s: 0}
     seeds: 3                         # traces per run (seeds 0..n-1); results are averaged
-    costs: {rebuild_s: 18, restart_s: 60, ...}
+    costs: {detect_s: 12, rebuild_s: 6, restart_s: 60, ...}
     strategies:
       lazarus: {checkpoint_every: 250, rebalance_every: 200, use_notices: false}
       checkpoint_restart: {checkpoint_every: 50}

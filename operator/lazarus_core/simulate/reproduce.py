@@ -39,9 +39,9 @@ PAPER_RECONFIG = [  # model, nodes lost, reconfig s, experts migrated, transfer 
     ("gpt-l", 4, 18.2, 160, 7.6), ("gpt-l", 5, 19.7, 55, 7.8),
 ]
 # Our own reconfiguration: the controller sees the loss (no collective timeout to wait out)
-# and the runtime regroups in-process (design.md measured 13-30 ms); 2 s leaves room for the
-# plan round trip through the API server.
-OUR_REBUILD_S = 2.0
+# and the runtime regroups in-process (design.md measured 13-30 ms); a second each leaves room
+# for the plan's round trip through the API server.
+OUR_COSTS = {"detect_s": 1.0, "rebuild_s": 1.0}
 
 
 def cfg_for(model: str, trace: dict, seeds: int = SEEDS, lazarus: dict | None = None,
@@ -78,24 +78,24 @@ def simulate(cfg: config.SimConfig, progress: Progress) -> Run:
 
 def write(out: Path, progress: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    mtbf_cases = [(m, s) for m in ("gpt-s", "gpt-l") for s in (300, 2400)]
-    variants = [("gpt-l", 300)]
-    total = 3 * SEEDS * (len(mtbf_cases) + 2 * len(variants) + 2 * 2)
-    bar = Progress(total, "reproducing", enabled=progress and sys.stderr.isatty())
-
-    mtbf = {case: simulate(cfg_for(case[0], mtbf_trace(case[1])), bar) for case in mtbf_cases}
-    spot = {m: simulate(cfg_for(m, SPOT), bar) for m in ("gpt-s", "gpt-l")}
-    ours = {
-        "fast rebuild": simulate(cfg_for("gpt-l", mtbf_trace(300),
-                                         costs={"rebuild_s": OUR_REBUILD_S}), bar),
-        "fast rebuild + 120 s spot notices": simulate(cfg_for(
-            "gpt-l", mtbf_trace(300, notice_s=120.0), lazarus={"use_notices": True},
-            costs={"rebuild_s": OUR_REBUILD_S}), bar),
+    mtbf_cfgs = {(m, s): cfg_for(m, mtbf_trace(s)) for m in ("gpt-s", "gpt-l")
+                 for s in (300, 2400)}
+    spot_cfgs = {m: cfg_for(m, SPOT) for m in ("gpt-s", "gpt-l")}
+    noticed = {"lazarus": {"use_notices": True}}
+    ours_cfgs = {
+        "paper costs + 120 s spot notices": cfg_for(
+            "gpt-l", mtbf_trace(300, notice_s=120.0), **noticed),
+        "our costs": cfg_for("gpt-l", mtbf_trace(300), costs=OUR_COSTS),
+        "our costs + 120 s spot notices": cfg_for(
+            "gpt-l", mtbf_trace(300, notice_s=120.0), costs=OUR_COSTS, **noticed),
     }
-    spot_notice = {m: simulate(cfg_for(m, {**SPOT, "notice_s": 120.0},
-                                       lazarus={"use_notices": True},
-                                       costs={"rebuild_s": OUR_REBUILD_S}), bar)
-                   for m in ("gpt-s", "gpt-l")}
+    spot_notice_cfgs = {m: cfg_for(m, {**SPOT, "notice_s": 120.0}, costs=OUR_COSTS, **noticed)
+                        for m in ("gpt-s", "gpt-l")}
+    every = [mtbf_cfgs, spot_cfgs, ours_cfgs, spot_notice_cfgs]
+    bar = Progress(sum(3 * c.seeds for cfgs in every for c in cfgs.values()), "reproducing",
+                   enabled=progress and sys.stderr.isatty())
+    mtbf, spot, ours, spot_notice = ({key: simulate(c, bar) for key, c in cfgs.items()}
+                                     for cfgs in every)
 
     figures = _figures(out, mtbf, spot)
     text = _report(mtbf, spot, ours, spot_notice, figures)
@@ -176,7 +176,7 @@ def _reconfig_rows() -> list[list[str]]:
         rows.append([f"{cfg.model.name}, {lost} lost", f"{paper_migrated}",
                      f"{np.mean(migrated):.0f}" if migrated else "—", f"{paper_transfer:.1f}",
                      f"{mean_transfer:.1f}", f"{paper_total:.1f}",
-                     f"{costs.rebuild_s + mean_transfer:.1f}",
+                     f"{costs.fixed_reconfiguration_s(lost=True) + mean_transfer:.1f}",
                      f"{recovered}/{RECONFIG_DRAWS}"])
     return rows
 
@@ -292,8 +292,8 @@ def _report(mtbf, spot, ours, spot_notice, figures) -> str:
         "",
         f"Our solver re-planning a rebalanced plan after losing k random nodes ({RECONFIG_DRAWS}",
         f"draws; means over the recoverable ones), timed with the cost model",
-        f"({costs.rebuild_s:g} s fixed + the busiest node's transfers at "
-        f"{costs.link_gb_per_s:g} GB/s).",
+        f"({costs.detect_s:g} s detection + {costs.rebuild_s:g} s rebuild + the busiest node's",
+        f"transfers at {costs.link_gb_per_s:g} GB/s).",
         "The paper's rows are single events at steps 200 and 4000 of real runs.",
         "",
     ]
@@ -305,22 +305,21 @@ def _report(mtbf, spot, ours, spot_notice, figures) -> str:
         "",
         "## Beyond the paper: reacting sooner",
         "",
-        f"The same GPT-L runs with our reconfiguration ({OUR_REBUILD_S:g} s fixed instead of 18 s:",
-        "the controller sees a lost node instead of waiting for a collective timeout, and the",
-        "runtime regroups in-process), and with 120 s spot notices used to migrate off a node",
-        "before it goes.",
+        f"The same runs with 120 s spot notices used to migrate off a node before it goes, and",
+        f"with our costs: {OUR_COSTS['detect_s']:g} s detection and {OUR_COSTS['rebuild_s']:g} s "
+        f"rebuild instead of {costs.detect_s:g} s and {costs.rebuild_s:g} s,",
+        "because the controller sees a lost node instead of waiting for a collective timeout and",
+        "the runtime regroups in-process.",
         "",
     ]
-    rows = [["GPT-L, MTBF 5 min, paper costs", _x(mtbf[("gpt-l", 300)].ratio("checkpoint_restart")),
-             _x(mtbf[("gpt-l", 300)].ratio("elastic_restart")),
-             _pct(mtbf[("gpt-l", 300)].summaries["lazarus"].fractions["compute"])]]
-    rows += [[f"GPT-L, MTBF 5 min, {label}", _x(run.ratio("checkpoint_restart")),
-              _x(run.ratio("elastic_restart")),
-              _pct(run.summaries["lazarus"].fractions["compute"])] for label, run in ours.items()]
-    rows += [[f"{PRESETS[m].name}, spot trace, fast rebuild + 120 s notices",
-              _x(run.ratio("checkpoint_restart")), _x(run.ratio("elastic_restart")),
-              _pct(run.summaries["lazarus"].fractions["compute"])]
-             for m, run in spot_notice.items()]
+    cases = {"GPT-L, MTBF 5 min, paper costs": mtbf[("gpt-l", 300)],
+             **{f"GPT-L, MTBF 5 min, {label}": run for label, run in ours.items()}}
+    for m in spot:
+        cases[f"{PRESETS[m].name}, spot trace, paper costs"] = spot[m]
+        cases[f"{PRESETS[m].name}, spot trace, our costs + 120 s notices"] = spot_notice[m]
+    rows = [[label, _x(run.ratio("checkpoint_restart")), _x(run.ratio("elastic_restart")),
+             _pct(run.summaries["lazarus"].fractions["compute"])]
+            for label, run in cases.items()]
     lines += _table(["case", "vs DeepSpeed", "vs DS(FT)", "Lazarus time computing"], rows)
     lines += ["", *_WHY.splitlines(), "", *_assumptions(costs).splitlines(), ""]
     return "\n".join(lines)
@@ -359,12 +358,13 @@ _WHY = """## Where we differ from the paper, and why
   assignment; the paper's counts come from its own loads and greedy mapping. For GPT-L the
   transfers then take longer than the paper's 7.6 s: moving fewer experts is the solver's
   lever there, and cutting the fixed rebuild (next section) is the other.
-- **Spot notices buy little once reconfiguration is cheap.** Migrating off a node as soon
-  as its notice arrives gives up that node's throughput for the rest of the notice period,
-  and saves only the step in flight and the rebuild that would follow the loss anyway. They
-  pay off when a loss would be unrecoverable (mass drops, zone outages). Starting the
-  migration just in time, one migration's length before the deadline, would keep both
-  benefits; the simulator models the simple policy only.
+- **Spot notices help while detecting a loss is slow, and cost a little once it is fast.**
+  A planned move off a noticed node skips the detection wait and the step in flight, which
+  pays with the paper's 12 s of timeouts. But migrating as soon as the notice arrives gives
+  up that node's throughput for the rest of the notice period, which outweighs a 1 s
+  detection. Notices matter most when a loss would be unrecoverable (mass drops, zone
+  outages). Starting the move just in time, one migration's length before the deadline,
+  would keep both benefits; the simulator models the simple policy only.
 - **With equal loads, GPT-L on Lazarus is slower than DeepSpeed (the 1:1 row).** 60 slots
   cannot give 16 experts equal replica counts (twelve get 4, four get 3), and MRO nests the
   four 3-replica experts on the same first three nodes, so those ranks compute about 15%
@@ -402,11 +402,13 @@ def _assumptions(costs: Costs) -> str:
 - Restart (baselines): {costs.restart_s:g} s to relaunch processes and rebuild communicators,
   plus reading the checkpoint. DeepSpeed waits for a full 10-node world; DS(FT) restarts on
   whatever is alive and grows back into new nodes right after its next checkpoint.
-- Lazarus reconfiguration: {costs.rebuild_s:g} s fixed (paper Table 2: 20–40 s total, minus
-  2–8 s of transfers) plus the migration plan's busiest node at {costs.link_gb_per_s:g} GB/s
-  (the paper's GPT-L row moved 160 experts, 18 GB, in 7.6 s: about 0.4 GB/s per survivor).
-  An unrecoverable loss costs the fixed part plus reading the checkpoint, and the steps
-  since it. A failure redoes the step in flight.
+- Lazarus reconfiguration: {costs.detect_s:g} s to detect a loss plus {costs.rebuild_s:g} s to
+  rebuild (paper Table 2: 20–40 s in total, of which 10–20 s NCCL timeouts and 5–15 s new
+  groups, 18 s on average), plus the migration plan's busiest node at
+  {costs.link_gb_per_s:g} GB/s (the paper's GPT-L row moved 160 experts, 18 GB, in 7.6 s:
+  about 0.4 GB/s per survivor). Growing, rebalancing and moving off a node under notice are
+  planned and skip the detection. An unrecoverable loss costs the fixed part plus reading
+  the checkpoint, and the steps since it. A failure redoes the step in flight.
 - Baselines use standard expert parallelism: the busiest rank computes the hottest
   expert's tokens (a capacity factor that pads to it costs the same; a smaller one drops
   tokens, which changes the model rather than the step time and is not modelled)."""

@@ -170,29 +170,29 @@ class Lazarus(Job):
         if not f:
             self.members = []  # too few slots to hold the model: wait for nodes
             return
+        fixed = self.costs.fixed_reconfiguration_s(lost=reason == "NodeLost")
         if self.plan is None:
             self._restore(plan_job(nodes, self.model.experts, self.model.layers, f,
-                                   self.policy, loads=self.known_loads, max_failures=0))
+                                   self.policy, loads=self.known_loads, max_failures=0), fixed)
             return
         sources = self._names(self.plan) & set(self.alive)
         step = replan(replace(self.plan, min_replicas=f), nodes, reason, sources,
                       loads=self.known_loads, max_failures=0)
         if not step.migration.recoverable:
-            self._restore(step.plan)
+            self._restore(step.plan, fixed)
             return
         self.counts["reconfigurations"] += 1
         self.counts["experts_migrated"] += step.migration.experts_migrated
         self.members = self._plan_nodes(step.plan)
-        cost = self.costs.rebuild_s + self.costs.migration_s(self.model, step.migration)
+        cost = fixed + self.costs.migration_s(self.model, step.migration)
         self.begin("reconfiguration", cost, lambda: self._commit(step.plan))
 
-    def _restore(self, plan: Plan) -> None:
+    def _restore(self, plan: Plan, fixed: float) -> None:
         """Some expert has no replica left: every rank reloads the last checkpoint."""
         self.counts["restores"] += 1
         self.rollback()
         self.members = self._plan_nodes(plan)
-        self.begin("restart", self.costs.rebuild_s + self.costs.load_s(self.model),
-                   lambda: self._commit(plan))
+        self.begin("restart", fixed + self.costs.load_s(self.model), lambda: self._commit(plan))
 
     def rebalance(self) -> None:
         """Re-allocate replicas to the measured loads when the faster steps repay the move."""
@@ -206,7 +206,8 @@ class Lazarus(Job):
                       max_failures=0)
         if not step.migration.transfers:
             return
-        cost = self.costs.rebuild_s + self.costs.migration_s(self.model, step.migration)
+        cost = self.costs.fixed_reconfiguration_s(lost=False) + self.costs.migration_s(
+            self.model, step.migration)
         before = self.step_seconds()
         after = step_seconds(self.model, lazarus_imbalance(step.plan, self.loads))
         if (before - after) * self.rebalance_every > cost:

@@ -45,9 +45,12 @@ class Costs:
     checkpoint_gb_per_s: float = 1.0  # writing a full checkpoint (all ranks together)
     restore_gb_per_s: float = 2.0  # reading it back
     restart_s: float = 60.0  # relaunch every process, init communicators and data loaders
-    # Lazarus's fixed part of a reconfiguration. Paper Table 2: 20-40 s in total, of which the
-    # transfers were 2-8 s; the rest (10-20 s NCCL timeouts, 5-15 s new groups) averages 18 s.
-    rebuild_s: float = 18.0
+    # Lazarus's fixed cost of a reconfiguration, in two parts. Paper Table 2: 20-40 s in total,
+    # of which transfers were 2-8 s and the rest, 18 s on average, was 10-20 s waiting for NCCL
+    # timeouts and 5-15 s building new communicator groups. Only a loss has a timeout to wait
+    # out: growing, rebalancing and moving off a node under a spot notice are planned.
+    detect_s: float = 12.0  # from a node's loss until the survivors know of it
+    rebuild_s: float = 6.0  # new communicator groups for a new plan
     link_gb_per_s: float = 0.5  # expert migration per node; fits Table 2's GPT-L transfers
 
     def checkpoint_s(self, model: ModelSpec) -> float:
@@ -55,6 +58,9 @@ class Costs:
 
     def load_s(self, model: ModelSpec) -> float:
         return model.state_gb / self.restore_gb_per_s
+
+    def fixed_reconfiguration_s(self, lost: bool) -> float:
+        return self.rebuild_s + (self.detect_s if lost else 0.0)
 
     def restart_total_s(self, model: ModelSpec) -> float:
         """A full job restart: new processes, then the checkpoint read back."""
