@@ -329,13 +329,14 @@ _WHY = """## Where we differ from the paper, and why
 
 - **Lazarus beats both baselines everywhere, by more at a 5-minute MTBF than at 40, and by
   more for GPT-L than for GPT-S against DeepSpeed**: the paper's direction holds.
-- **Against DeepSpeed our ratios are lower than the paper's, most of all for GPT-L at a
-  5-minute MTBF.** The DeepSpeed baseline is dominated by two numbers the paper does not
+- **Against DeepSpeed, GPT-S is close to the paper and GPT-L falls short of it, most of
+  all at a 5-minute MTBF.** The DeepSpeed baseline is dominated by two numbers the paper does not
   report: how long a replacement node takes to arrive (we assume 2 minutes) and how long a
   full restart takes (we assume 60 s plus reading the checkpoint back). Any longer wait or
   restart on the paper's testbed widens the gap; GPT-L, with the larger checkpoint, is hit
   hardest, which is the paper's pattern too.
-- **Against DS(FT), GPT-L lands near the paper's ratios and GPT-S comes out higher.** Our
+- **Against DS(FT), the paper's GPT-L ratios lie within the range over our traces, and
+  GPT-S comes out higher.** Our
   DS(FT) grows back into each replacement node with a second restart right after its next
   checkpoint; the paper does not say when DS(FT) re-admits nodes. With GPT-S's short steps
   that extra restart weighs more than the work it wins back.
