@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import plan_command, simulate_command
+from . import plan_command, run_command, simulate_command
 
 
 class UsageError(Exception):
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lazarus", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan_command.register(sub)
+    run_command.register(sub)
     simulate_command.register(sub)
     return parser
 

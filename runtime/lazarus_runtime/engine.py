@@ -95,6 +95,14 @@ class Engine:
 
     def step(self, step: int) -> StepResult:
         """Train on step ``step``'s global batch (this rank's share of it)."""
+        result = self.prepare(step)
+        self.apply()
+        return result
+
+    def prepare(self, step: int) -> StepResult:
+        """Everything of a step that talks to other ranks: afterwards every gradient is
+        final, and nothing has changed yet. ``apply`` then makes the step; dropping it
+        (the step was interrupted and will be redone) leaves the engine as it was."""
         batch = self.batches.batch(step, self.rank, self.comm.world_size)
         global_tokens = self.batches.global_batch * self.cfg.model.seq_len
         self.optimizer.zero_grad(set_to_none=True)
@@ -109,10 +117,16 @@ class Engine:
                 p.grad = torch.zeros_like(p)
         loss = self._sum_dense_grads(loss_sum.detach())
         self._sum_expert_grads()
-        self.optimizer.step()
-        for moe, loads_E in zip(self.model.moe_layers(), self.loads_LE):
-            loads_E += moe.last_num_tokens_E.numpy()
         return StepResult(step, loss / global_tokens, tuple(batch.sample_ids.tolist()))
+
+    def step_loads(self) -> np.ndarray:
+        """(layers, experts) global token counts of the prepared step."""
+        return np.stack([moe.last_num_tokens_E.numpy() for moe in self.model.moe_layers()])
+
+    def apply(self) -> None:
+        """Commit the prepared step: the optimizer step, and its loads into the statistics."""
+        self.optimizer.step()
+        self.loads_LE += self.step_loads()
 
     def _sum_dense_grads(self, loss_sum: torch.Tensor) -> float:
         """One all-reduce for every dense gradient, with the loss sum riding along."""

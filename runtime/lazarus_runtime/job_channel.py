@@ -1,0 +1,238 @@
+"""The channel between the coordinator and its workers: plans, step commits and reports.
+
+It lives in a c10d ``Store`` owned by the coordinator, a process that outlives workers (the
+parent in local mode), so a dead worker never takes the channel with it.
+
+A step is committed by the coordinator, not by the workers. Each worker computes its
+gradients, says ``prepared``, and applies the optimizer step only once the coordinator has
+written the commit. The coordinator commits step s of generation g only when every rank of
+g prepared it, and never after it published a newer generation. So either every survivor
+applies step s or none does, and no optimizer step is ever applied twice or half-way.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch.distributed as dist
+from lazarus_core.migration import Transfer
+from lazarus_core.plan import Plan
+
+_PREFIX = "lazarus/"
+
+
+class ChannelTimeout(RuntimeError):
+    """The coordinator did not answer within the bound."""
+
+
+@dataclass(frozen=True)
+class Directive:
+    """What the workers of one plan generation do before training on it."""
+
+    plan: Plan
+    # First step to run. Survivors redo an interrupted step: it was never committed.
+    start_step: int
+    transfers: tuple[Transfer, ...] = ()
+    # Nodes out of the plan that still send expert state (spot notice): ranked after the plan.
+    draining: tuple[str, ...] = ()
+    # Set when some expert lost every replica: load the checkpoint of this step (0: none,
+    # start again from the initial weights).
+    restore_step: int | None = None
+    # Plan nodes that hold no state yet, and the survivor that sends them the dense state.
+    joiners: tuple[str, ...] = ()
+    dense_source: str | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.plan.generation
+
+    def exchange_ranks(self) -> dict[str, int]:
+        """Ranks in the generation's exchange group: the plan's, then the draining nodes'."""
+        ranks = {n.name: n.ranks[0] for n in self.plan.nodes}
+        for i, name in enumerate(self.draining):
+            ranks[name] = self.plan.world_size + i
+        return ranks
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "plan": self.plan.to_dict(),
+            "start_step": self.start_step,
+            "transfers": [asdict(t) for t in self.transfers],
+            "draining": list(self.draining),
+            "restore_step": self.restore_step,
+            "joiners": list(self.joiners),
+            "dense_source": self.dense_source,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "Directive":
+        d = json.loads(text)
+        return cls(plan=Plan.from_dict(d["plan"]), start_step=d["start_step"],
+                   transfers=tuple(Transfer(**t) for t in d["transfers"]),
+                   draining=tuple(d["draining"]), restore_step=d["restore_step"],
+                   joiners=tuple(d["joiners"]), dense_source=d["dense_source"])
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One rank's account of a prepared step."""
+
+    loss: float
+    sample_ids: tuple[int, ...]
+    # (layers, experts) global token counts of this step: rank 0 only.
+    loads: tuple[tuple[int, ...], ...] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class JobChannel:
+    def __init__(self, store: dist.Store, poll_s: float = 0.002):
+        self.store = store
+        self.poll_s = poll_s
+
+    # --- keys ----------------------------------------------------------------------------
+
+    def _has(self, key: str) -> bool:
+        return self.store.check([_PREFIX + key])
+
+    def _get(self, key: str) -> str:
+        return self.store.get(_PREFIX + key).decode()
+
+    def _set(self, key: str, value: str) -> None:
+        self.store.set(_PREFIX + key, value)
+
+    def _add(self, key: str, amount: int) -> int:
+        return self.store.add(_PREFIX + key, amount)
+
+    # --- plans ---------------------------------------------------------------------------
+
+    def publish(self, directive: Directive, switch: bool = True) -> None:
+        """The directive first, then the pointer to it: a reader never sees half of it.
+
+        ``switch=False`` stores it without pointing the workers at it yet: a boundary
+        reconfiguration is announced through the step commit, and only then switched to
+        (``switch_to``), so the commit is never mistaken for an abandoned step."""
+        self._set(f"directive/{directive.generation}", directive.to_json())
+        if switch:
+            self.switch_to(directive.generation)
+
+    def switch_to(self, generation: int) -> None:
+        self._set("latest", str(generation))
+
+    def latest(self) -> int:
+        return int(self._get("latest")) if self._has("latest") else 0
+
+    def directive(self, generation: int) -> Directive:
+        return Directive.from_json(self._get(f"directive/{generation}"))
+
+    def stop(self) -> None:
+        self._set("stop", "1")
+
+    def stopped(self) -> bool:
+        return self._has("stop")
+
+    # --- steps ---------------------------------------------------------------------------
+
+    def prepare(self, generation: int, step: int, rank: int, report: StepReport) -> None:
+        self._set(f"report/{generation}/{step}/{rank}", json.dumps(asdict(report)))
+        self._add(f"prepared/{generation}/{step}", 1)
+
+    def prepared(self, generation: int, step: int) -> int:
+        return self._add(f"prepared/{generation}/{step}", 0)
+
+    def reports(self, generation: int, step: int, world_size: int) -> list[StepReport]:
+        out = []
+        for rank in range(world_size):
+            d = json.loads(self._get(f"report/{generation}/{step}/{rank}"))
+            d["sample_ids"] = tuple(d["sample_ids"])
+            d["loads"] = tuple(map(tuple, d["loads"])) if d["loads"] is not None else None
+            out.append(StepReport(**d))
+        return out
+
+    def commit(self, generation: int, step: int, next_generation: int) -> None:
+        """Let generation ``generation`` apply ``step``; the workers continue in
+        ``next_generation`` (a boundary reconfiguration when it is newer)."""
+        self._set(f"commit/{generation}/{step}", str(next_generation))
+
+    def wait_commit(self, generation: int, step: int, timeout_s: float) -> int | None:
+        """The generation to continue in once ``step`` is committed, or None when a newer
+        generation was published without committing it (the step is abandoned)."""
+        key = f"commit/{generation}/{step}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._has(key):
+                return int(self._get(key))
+            if self.latest() > generation:
+                # The commit is always written before a newer plan, so look once more.
+                return int(self._get(key)) if self._has(key) else None
+            if time.monotonic() > deadline:
+                raise ChannelTimeout(f"step {step} was neither committed nor superseded "
+                                     f"within {timeout_s:.0f} s")
+            time.sleep(self.poll_s)
+
+    # --- adopting a generation -------------------------------------------------------------
+    # Like steps, a new layout is applied by all members or none: each member fetches what
+    # it needs, says so, and switches only once the coordinator confirms that every member
+    # has. An interrupted reconfiguration thus leaves every survivor on the last adopted
+    # plan, which is what the coordinator plans the next transfers from.
+
+    def fetched(self, generation: int) -> None:
+        self._add(f"fetched/{generation}", 1)
+
+    def fetched_count(self, generation: int) -> int:
+        return self._add(f"fetched/{generation}", 0)
+
+    def adopt(self, generation: int) -> None:
+        self._set(f"adopted/{generation}", "1")
+
+    def wait_adopted(self, generation: int, timeout_s: float) -> bool:
+        """True once ``generation`` is adopted; False if a newer one came first."""
+        key = f"adopted/{generation}"
+        ok = self.wait_until(lambda: self._has(key), timeout_s,
+                             f"adoption of generation {generation}",
+                             interrupted=lambda: self.latest() > generation)
+        return ok or self._has(key)
+
+    # --- membership and checkpoints --------------------------------------------------------
+
+    def hello(self, node: str) -> None:
+        self._set(f"hello/{node}", "1")
+
+    def said_hello(self, node: str) -> bool:
+        return self._has(f"hello/{node}")
+
+    def report_timings(self, generation: int, rank: int, timings: dict[str, float]) -> None:
+        self._set(f"timings/{generation}/{rank}", json.dumps(timings))
+
+    def timings(self, generation: int, rank: int) -> dict[str, float] | None:
+        key = f"timings/{generation}/{rank}"
+        return json.loads(self._get(key)) if self._has(key) else None
+
+    def checkpoint_written(self, generation: int, step: int, rank: int, info: dict) -> int:
+        self._set(f"ckpt/{generation}/{step}/{rank}", json.dumps(info))
+        return self._add(f"ckpt/{generation}/{step}", 1)
+
+    def checkpoint_shards(self, generation: int, step: int, world_size: int) -> list[dict]:
+        return [json.loads(self._get(f"ckpt/{generation}/{step}/{r}")) for r in range(world_size)]
+
+    def checkpoint_count(self, generation: int, step: int) -> int:
+        return self._add(f"ckpt/{generation}/{step}", 0)
+
+    def set_checkpoint(self, step: int) -> None:
+        self._set("checkpoint", str(step))
+
+    def checkpoint(self) -> int | None:
+        return int(self._get("checkpoint")) if self._has("checkpoint") else None
+
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float, what: str,
+                   interrupted: Callable[[], bool] = lambda: False) -> bool:
+        """Poll ``ready``; False if ``interrupted`` first; ChannelTimeout past the bound."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if interrupted():
+                return False
+            if time.monotonic() > deadline:
+                raise ChannelTimeout(f"{what}: no answer within {timeout_s:.0f} s")
+            time.sleep(self.poll_s)
+        return True

@@ -1,0 +1,396 @@
+"""The embedded local backend: a LazarusJob as worker processes on one machine.
+
+The parent process is the coordinator. It owns the rendezvous store (so no worker death
+can take it down), starts the workers, watches them, and drives the same controller core as
+the Kubernetes operator: a dead process is a lost node, a new process a joining node. It
+publishes each plan generation with the expert transfers measured against the layout the
+workers really hold, commits steps, and can inject failures (``kills``) and growth
+(``joins``) at chosen steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from lazarus_core import controller as core
+from lazarus_core.job_spec import JobSpec
+from lazarus_core.migration import plan_transfers
+from lazarus_core.plan import Plan
+from lazarus_core.topology import NodeSpec
+
+from .data import StepBatches
+from .config import RuntimeConfig
+from .job_channel import Directive, JobChannel
+
+# Deaths within this window after the first are handled as one failure (one SIGKILL of
+# two workers reaches the parent as two exits a few milliseconds apart).
+_SETTLE_S = 0.03
+_POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class Fault:
+    """At ``step`` (as it starts), kill ``count`` random plan workers, or the ``names``."""
+
+    step: int
+    count: int = 0
+    names: tuple[str, ...] = ()
+
+
+@dataclass
+class Reconfiguration:
+    generation: int
+    reason: str
+    experts_migrated: int
+    restored_step: int | None
+    fault_at: float          # when the fault happened (kill) or the change was decided
+    detected_at: float
+    published_at: float
+    adopted_at: float | None = None
+    resumed_at: float | None = None  # first step committed under this generation
+    worker_timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        end = self.resumed_at or self.adopted_at or self.published_at
+        rebuild = max((t.get("rebuild_s", 0.0) for t in self.worker_timings.values()),
+                      default=0.0)
+        migrate = max((t.get("migrate_s", 0.0) for t in self.worker_timings.values()),
+                      default=0.0)
+        adopted = self.adopted_at or self.published_at
+        return {
+            "generation": self.generation,
+            "reason": self.reason,
+            "seconds": round(end - self.fault_at, 4),
+            "experts_migrated": self.experts_migrated,
+            "restored_step": self.restored_step,
+            "breakdown": {
+                "detection_s": round(self.detected_at - self.fault_at, 4),
+                "replanning_s": round(self.published_at - self.detected_at, 4),
+                "communication_rebuild_s": round(rebuild, 4),
+                "migration_s": round(migrate, 4),
+                "redone_step_s": round(max(0.0, end - adopted), 4),
+            },
+        }
+
+
+@dataclass
+class RunResult:
+    steps_completed: int
+    failures: int
+    reconfigurations: list[dict]
+    checkpoint_restores: int
+    samples_lost: int
+    samples_duplicated: int
+    steps_redone: int
+    losses: list[float]
+    workers: int
+    generation: int
+    wall_seconds: float
+    tokens_per_second: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class LocalJob:
+    def __init__(self, name: str, spec: JobSpec, manifest: Path, workers: int, steps: int,
+                 kills: list[Fault] = (), joins: list[tuple[int, int]] = (),
+                 checkpoint_dir: Path | None = None, seed: int = 0,
+                 on_event: Callable[[str], None] = lambda line: None,
+                 on_progress: Callable[[dict], None] = lambda status: None,
+                 worker_env: dict[str, str] | None = None, timeout_s: float = 600.0):
+        self.name = name
+        self.spec = dataclasses.replace(spec, replicas=workers)
+        self.manifest = Path(manifest)
+        self.workers = workers
+        self.steps = steps
+        self.kills = sorted(kills, key=lambda f: f.step)
+        self.joins = sorted(joins)
+        self.checkpoint_dir = checkpoint_dir
+        self.rng = random.Random(seed)
+        self.on_event = on_event
+        self.on_progress = on_progress
+        self.worker_env = worker_env or {}
+        self.timeout_s = timeout_s
+        cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
+        self.batches = StepBatches.from_config(cfg.data, cfg.model.seq_len, cfg.model.vocab)
+        self.tokens_per_step = cfg.data.global_batch * cfg.model.seq_len
+
+    # --- processes -----------------------------------------------------------------------
+
+    def _spawn(self, name: str) -> None:
+        env = dict(os.environ, **self.worker_env, LAZARUS_COORDINATOR=f"127.0.0.1:{self.port}",
+                   LAZARUS_NODE=name, LAZARUS_JOB=str(self.manifest))
+        if self.checkpoint_dir is not None:
+            env["LAZARUS_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "lazarus_runtime.worker"], env=env,
+            stdin=subprocess.DEVNULL)
+
+    def _node(self, name: str) -> NodeSpec:
+        return NodeSpec(name, gpus=1, slots_per_gpu=self.spec.slots_per_node, zone="local")
+
+    def _live(self) -> list[NodeSpec]:
+        return [self._node(n) for n, p in sorted(self.procs.items())
+                if n in self.admitted and p.poll() is None and self.chan.said_hello(n)]
+
+    def _kill(self, names: list[str]) -> None:
+        for n in names:
+            self.procs[n].send_signal(signal.SIGKILL)
+        self.fault_at = time.monotonic()
+        self.failures += len(names)
+        self.on_event(f"killed {', '.join(names)} (SIGKILL) as step {self.committed + 1} "
+                      f"began")
+
+    # --- the run -------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.port = self.store.port
+        self.chan = JobChannel(self.store)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
+        self.adopted: Plan | None = None
+        self.directive: Directive | None = None
+        self.committed = 0
+        self.records: dict[int, tuple[list[int], float]] = {}
+        self.reconfigs: list[Reconfiguration] = []
+        self.failures = 0
+        self.restores = 0
+        self.redone = 0
+        self.fault_at: float | None = None
+        start = time.monotonic()
+        try:
+            for i in range(self.workers):
+                self._spawn(f"worker-{i}")
+            self.admitted = set(self.procs)
+            # Joining workers start now but are admitted only at their step: a join then
+            # models capacity arriving at that step, not the time Python takes to start.
+            self.waiting_joiners = []
+            for step, count in self.joins:
+                for _ in range(count):
+                    name = f"worker-{len(self.procs)}"
+                    self._spawn(name)
+                    self.waiting_joiners.append((step, name))
+            self._await_hellos(list(self.procs), start)
+            self._apply(core.handle_all(self.state, core.observe(self.state, self._live(), ()),
+                                        time.time()))
+            while self.committed < self.steps:
+                if time.monotonic() - start > self.timeout_s:
+                    raise TimeoutError(f"the job did not finish {self.steps} steps in "
+                                       f"{self.timeout_s:.0f} s")
+                self._tick()
+                time.sleep(_POLL_S)
+            wall = time.monotonic() - start
+        finally:
+            self._shutdown()
+        return self._result(wall)
+
+    def _await_hellos(self, names: list[str], start: float) -> None:
+        while not all(self.chan.said_hello(n) for n in names):
+            dead = [n for n in names if self.procs[n].poll() is not None]
+            if dead:
+                raise RuntimeError(f"worker {dead[0]} exited with code "
+                                   f"{self.procs[dead[0]].returncode} before it started")
+            if time.monotonic() - start > 120:
+                raise TimeoutError("workers did not start within 120 s")
+            time.sleep(0.01)
+
+    def _tick(self) -> None:
+        now = time.time()
+        events = self._membership_events()
+        if events:
+            self._apply(core.handle_all(self.state, events, now))
+        d = self.directive
+        if d is None:
+            return
+        g = d.generation
+        if self.adopted is None or self.adopted.generation != g:
+            members = len(d.exchange_ranks())
+            if self.chan.fetched_count(g) >= members:
+                self.chan.adopt(g)
+                self.adopted = d.plan
+                self._last_reconfig(g, lambda r: setattr(r, "adopted_at", time.monotonic()))
+            return
+        step = self.committed + 1
+        if self.chan.prepared(g, step) < d.plan.world_size:
+            return
+        self._complete(d, step)
+
+    def _membership_events(self) -> list:
+        dead = [n for n in self.state.alive if self.procs[n].poll() is not None]
+        if dead:
+            time.sleep(_SETTLE_S)
+        self._detected_at = time.monotonic()
+        return core.observe(self.state, self._live(), ())
+
+    def _complete(self, d: Directive, step: int) -> None:
+        """Every rank prepared ``step``: record it, let the controller see it, commit it."""
+        g = d.generation
+        reports = self.chan.reports(g, step, d.plan.world_size)
+        ids = [i for r in reports for i in r.sample_ids]
+        if step in self.records:
+            self.redone += 1
+        self.records[step] = (ids, reports[0].loss)
+        progress = core.Progress(step=step, generation=g, loads=reports[0].loads,
+                                 checkpoint_step=self.chan.checkpoint())
+        self._last_reconfig(g, lambda r: r.resumed_at or setattr(r, "resumed_at",
+                                                                 time.monotonic()))
+        events = [progress] + self._scheduled_changes(step)
+        if step == self.steps:
+            self.chan.stop()
+            self.chan.commit(g, step, g)
+            self.committed = step
+            return
+        out = core.handle_all(self.state, events, time.time())
+        boundary = [x for x in out.decisions if isinstance(x, core.PublishPlan)]
+        self.committed = step
+        self._apply(out, commit=(g, step) if boundary else None)
+        if not boundary:
+            self.chan.commit(g, step, g)
+        self.on_progress(self._status(reports[0].loss))
+        self._inject_faults(step + 1)
+
+    def _scheduled_changes(self, step: int) -> list:
+        """Joins due before ``step + 1`` starts: admit their workers and raise the target."""
+        due = [name for s, name in self.waiting_joiners if s == step + 1]
+        if not due:
+            return []
+        count = len(due)
+        self.admitted.update(due)
+        self.on_event(f"{', '.join(due)} joined; the job grows at the next step boundary")
+        self.spec = dataclasses.replace(self.spec, replicas=self.spec.replicas + count,
+                                        max_nodes=max(self.spec.max_nodes,
+                                                      self.spec.replicas + count))
+        return [core.SpecChanged(self.spec)]
+
+    def _inject_faults(self, step: int) -> None:
+        for fault in [f for f in self.kills if f.step == step]:
+            self.kills.remove(fault)
+            in_plan = [n.name for n in self.directive.plan.nodes
+                       if self.procs[n.name].poll() is None]
+            names = list(fault.names) or self.rng.sample(in_plan, min(fault.count, len(in_plan)))
+            self._kill(sorted(names))
+
+    # --- decisions -----------------------------------------------------------------------
+
+    def _apply(self, out: core.Outcome, commit: tuple[int, int] | None = None) -> None:
+        self.state = out.state
+        for decision in out.decisions:
+            if isinstance(decision, core.PublishPlan):
+                self._publish(decision, commit)
+            elif isinstance(decision, core.ReleaseWorkers):
+                for n in decision.names:
+                    if self.procs[n].poll() is None:
+                        self.procs[n].terminate()
+            elif isinstance(decision, core.Wait):
+                if self.directive is not None and all(
+                        n in self.admitted for _, n in self.waiting_joiners):
+                    # Locally, capacity only comes back through --join: waiting is hopeless.
+                    raise RuntimeError(f"the job cannot go on: {decision.message}; start "
+                                       f"more workers, or add --join")
+                self.on_event(f"waiting: {decision.message}")
+
+    def _publish(self, decision: core.PublishPlan, commit: tuple[int, int] | None) -> None:
+        plan = decision.plan
+        held = self.adopted
+        alive = {n for n, p in self.procs.items() if p.poll() is None}
+        start_step = self.committed + 1
+        if held is None:
+            directive = Directive(plan, start_step=start_step)
+            migrated, restored = 0, None
+        else:
+            # Transfers from what the workers really hold: the last adopted plan (a plan
+            # published but interrupted before adoption never took effect).
+            sources = {n.name for n in held.nodes} & alive
+            migration = plan_transfers(held, plan, sources)
+            if migration.lost:
+                restored = self.chan.checkpoint() or 0
+                directive = Directive(plan, start_step=restored + 1, restore_step=restored)
+                self.restores += 1
+                self.on_event(f"{len(migration.lost)} (layer, expert) pairs lost every replica: "
+                              + (f"restoring the checkpoint of step {restored}" if restored
+                                 else "no checkpoint yet, restarting from step 0"))
+                self.committed = restored
+                migrated = 0
+            else:
+                plan_names = {n.name for n in plan.nodes}
+                joiners = tuple(sorted(plan_names - sources))
+                senders = {t.source for t in migration.transfers}
+                directive = Directive(
+                    plan, start_step=start_step, transfers=migration.transfers,
+                    draining=tuple(sorted(senders - plan_names)), joiners=joiners,
+                    dense_source=min(sources & plan_names) if joiners else None)
+                migrated, restored = migration.experts_migrated, None
+        now = time.monotonic()
+        self.reconfigs.append(Reconfiguration(
+            plan.generation, plan.reason, migrated, restored,
+            fault_at=self.fault_at or getattr(self, "_detected_at", now),
+            detected_at=getattr(self, "_detected_at", now), published_at=now))
+        self.fault_at = None
+        self.directive = directive
+        if commit is not None:  # a boundary change: announced by the commit, then switched
+            self.chan.publish(directive, switch=False)
+            self.chan.commit(*commit, plan.generation)
+            self.chan.switch_to(plan.generation)
+        else:
+            self.chan.publish(directive)
+        self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
+                      f"workers, {migrated} expert replicas migrated"
+                      + (f", restored step {restored}" if restored is not None else ""))
+
+    def _last_reconfig(self, generation: int, update) -> None:
+        for r in reversed(self.reconfigs):
+            if r.generation == generation:
+                update(r)
+                return
+
+    # --- reporting -----------------------------------------------------------------------
+
+    def _status(self, loss: float) -> dict:
+        plan = self.directive.plan
+        return {"step": self.committed, "steps": self.steps, "loss": loss,
+                "generation": plan.generation, "workers": plan.world_size,
+                "lowest_replicas": core.lowest_replicas(self.state)}
+
+    def _result(self, wall: float) -> RunResult:
+        for r in self.reconfigs:
+            r.worker_timings = {
+                str(rank): t for rank in range(len(r.worker_timings) + 64)
+                if (t := self.chan.timings(r.generation, rank)) is not None}
+        lost = duplicated = 0
+        for step in range(1, self.steps + 1):
+            ids, _ = self.records.get(step, ([], 0.0))
+            expected = set(self.batches.global_sample_ids(step).tolist())
+            lost += len(expected - set(ids))
+            duplicated += len(ids) - len(set(ids)) + len(set(ids) - expected)
+        losses = [self.records[s][1] for s in sorted(self.records)]
+        return RunResult(
+            steps_completed=len(self.records), failures=self.failures,
+            reconfigurations=[r.summary() for r in self.reconfigs if r.generation > 1],
+            checkpoint_restores=self.restores, samples_lost=lost,
+            samples_duplicated=duplicated, steps_redone=self.redone, losses=losses,
+            workers=self.directive.plan.world_size if self.directive else 0,
+            generation=self.directive.generation if self.directive else 0,
+            wall_seconds=round(wall, 3),
+            tokens_per_second=round(len(self.records) * self.tokens_per_step / wall, 1))
+
+    def _shutdown(self) -> None:
+        if hasattr(self, "chan"):
+            self.chan.stop()
+        deadline = time.monotonic() + 20
+        for p in self.procs.values() if hasattr(self, "procs") else ():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

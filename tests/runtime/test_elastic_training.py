@@ -1,0 +1,81 @@
+"""Training that goes on when workers die: real worker processes, gloo, SIGKILL.
+
+Every scenario is compared with one failure-free run of the same model and data: the global
+batch of a step does not depend on the world size, so the per-step losses must match.
+"""
+import pytest
+
+from elastic_jobs import STEPS, Fault, manifest, run
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    result = run(manifest(tmp, "reference"), workers=4)
+    assert result.steps_completed == STEPS and result.failures == 0
+    return result
+
+
+def assert_equivalent(result, reference):
+    assert result.steps_completed == STEPS
+    assert len(result.losses) == STEPS
+    worst = max(abs(a - b) for a, b in zip(result.losses, reference.losses))
+    assert worst < TOLERANCE, (worst, result.losses, reference.losses)
+    assert result.samples_lost == 0 and result.samples_duplicated == 0
+
+
+def test_losses_match_a_failure_free_run_through_two_failures(tmp_path, reference):
+    # f = 3 keeps every expert on each of the 3 workers left after the first death, and 12
+    # slots let the last survivor hold every expert's 3 replicas alone.
+    path = manifest(tmp_path, "two-failures", slotsPerGpu=12, minReplicas=3, minNodes=1)
+    result = run(path, workers=4, kills=[Fault(10, count=1), Fault(20, count=2)])
+    assert_equivalent(result, reference)
+    assert result.failures == 3 and result.workers == 1
+    assert [r["reason"] for r in result.reconfigurations] == ["NodeLost", "NodeLost"]
+    assert result.checkpoint_restores == 0
+
+
+def test_a_worker_killed_mid_collective_never_hangs_the_survivors(tmp_path, reference):
+    path = manifest(tmp_path, "mid-collective")
+    events = []
+    result = run(path, workers=4, kills=[Fault(5, names=("worker-2",))], events=events)
+    assert_equivalent(result, reference)
+    (reconfig,) = result.reconfigurations
+    # From SIGKILL (the survivors are inside step 5's all-to-alls) to the next committed
+    # step. gloo alone would take its collective timeout (60 s here) to notice.
+    assert reconfig["seconds"] < 5.0, reconfig
+    assert any("killed worker-2" in e for e in events)
+
+
+def test_losing_every_replica_of_an_expert_restores_the_checkpoint(tmp_path, reference):
+    # compact placement, 3 slots per worker: worker-0 holds all three replicas of expert 0.
+    path = manifest(tmp_path, "unrecoverable", placement="compact", slotsPerGpu=3)
+    result = run(path, workers=4, kills=[Fault(15, names=("worker-0",))])
+    (reconfig,) = result.reconfigurations
+    assert reconfig["restored_step"] == 10
+    assert result.checkpoint_restores == 1
+    assert result.steps_redone == 4  # steps 11-14 ran again from the step-10 state
+    # Restored weights and optimizer state are those of step 10, so the redone steps and
+    # everything after match the reference: no optimizer step was applied twice.
+    assert_equivalent(result, reference)
+
+
+def test_a_joining_worker_takes_part_from_a_step_boundary(tmp_path, reference):
+    path = manifest(tmp_path, "scale-up")
+    result = run(path, workers=3, joins=[(15, 1)])
+    assert_equivalent(result, reference)
+    assert result.workers == 4
+    assert [r["reason"] for r in result.reconfigurations] == ["NodeJoined"]
+    assert result.reconfigurations[0]["experts_migrated"] > 0
+
+
+def test_rebalancing_follows_the_measured_load(tmp_path, reference):
+    path = manifest(tmp_path, "rebalance", rebalanceEverySteps=5, rebalanceMinGainPercent=0,
+                    slotsPerGpu=3)
+    result = run(path, workers=4)
+    assert_equivalent(result, reference)
+    assert "Rebalance" in [r["reason"] for r in result.reconfigurations]
