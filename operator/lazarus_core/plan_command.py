@@ -94,6 +94,7 @@ def parse_loads(spec: str, experts: int, layers: int) -> list[list[float]]:
 def plan_summary(plan: Plan) -> dict:
     node_index = {n.name: i for i, n in enumerate(plan.nodes)}
     layers = [[list(s) for s in layer.placement] for layer in plan.layers]
+    zones = zone_survival(layers, [n.zone for n in plan.nodes])
     return {
         "nodes": len(plan.nodes),
         "slots": plan.nodes[0].slots,
@@ -105,7 +106,9 @@ def plan_summary(plan: Plan) -> dict:
         "placement": layers,
         "node_names": list(node_index),
         "recovery": plan.recovery,
-        "zone_survival": zone_survival(layers, [n.zone for n in plan.nodes]),
+        "zone_survival": zones,
+        # The chance the model survives when one zone, chosen uniformly, goes down whole.
+        "zone_loss_recovery": sum(zones.values()) / len(zones),
     }
 
 

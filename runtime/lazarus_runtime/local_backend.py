@@ -5,7 +5,11 @@ can take it down), starts the workers, watches them, and drives the same control
 the Kubernetes operator: a dead process is a lost node, a new process a joining node. It
 publishes each plan generation with the expert transfers measured against the layout the
 workers really hold, commits steps, and can inject failures (``kills``) and growth
-(``joins``) at chosen steps.
+(``joins``) at chosen steps, or failures by wall clock (``kill_every_s``).
+
+``restart_on_failure`` turns the job into the checkpoint-restart baseline that the
+benchmarks compare with (what torchrun does): on any death every worker restarts and the
+job goes on from the last checkpoint.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class Fault:
 class Reconfiguration:
     generation: int
     reason: str
+    members: int             # ranks that report timings for this generation
     experts_migrated: int
     restored_step: int | None
     fault_at: float          # when the fault happened (kill) or the change was decided
@@ -107,7 +112,9 @@ class LocalJob:
                  checkpoint_dir: Path | None = None, seed: int = 0,
                  on_event: Callable[[str], None] = lambda line: None,
                  on_progress: Callable[[dict], None] = lambda status: None,
-                 worker_env: dict[str, str] | None = None, timeout_s: float = 600.0):
+                 worker_env: dict[str, str] | None = None, timeout_s: float = 600.0,
+                 kill_every_s: float | None = None, duration_s: float | None = None,
+                 restart_on_failure: bool = False):
         self.name = name
         self.spec = dataclasses.replace(spec, replicas=workers)
         self.manifest = Path(manifest)
@@ -121,6 +128,12 @@ class LocalJob:
         self.on_progress = on_progress
         self.worker_env = worker_env or {}
         self.timeout_s = timeout_s
+        # SIGKILL one random plan worker every this many seconds, from when training starts.
+        self.kill_every_s = kill_every_s
+        # End at the first step of new progress past this many seconds: with kill_every_s,
+        # a run of fixed length whatever the failures cost.
+        self.duration_s = duration_s
+        self.restart_on_failure = restart_on_failure
         cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
         self.batches = StepBatches.from_config(cfg.data, cfg.model.seq_len, cfg.model.vocab)
         self.tokens_per_step = cfg.data.global_batch * cfg.model.seq_len
@@ -143,13 +156,31 @@ class LocalJob:
         return [self._node(n) for n, p in sorted(self.procs.items())
                 if n in self.admitted and p.poll() is None and self.chan.said_hello(n)]
 
-    def _kill(self, names: list[str]) -> None:
+    def _kill(self, names: list[str], when: str = "as step {} began") -> None:
         for n in names:
             self.procs[n].send_signal(signal.SIGKILL)
         self.fault_at = time.monotonic()
         self.failures += len(names)
-        self.on_event(f"killed {', '.join(names)} (SIGKILL) as step {self.committed + 1} "
-                      f"began")
+        self.on_event(f"killed {', '.join(names)} (SIGKILL) "
+                      + when.format(self.committed + 1))
+
+    def _restart_survivors(self) -> None:
+        """The checkpoint-restart baseline: stop every survivor and start as many fresh
+        processes in their place (no replacement for the dead). The controller then sees
+        every old node lost, no expert keeps a replica, and ``_publish`` restores the last
+        checkpoint through the same directive as an unrecoverable loss."""
+        survivors = [n for n in self.state.alive if self.procs[n].poll() is None]
+        for n in survivors:
+            self.procs[n].terminate()
+        first = len(self.procs)
+        fresh = [f"worker-{first + i}" for i in range(len(survivors))]
+        for n in survivors:
+            self.procs[n].wait()
+        for n in fresh:
+            self._spawn(n)
+        self.admitted.update(fresh)
+        self._await_hellos(fresh, time.monotonic())
+        self.on_event(f"restarted {len(fresh)} workers from scratch")
 
     # --- the run -------------------------------------------------------------------------
 
@@ -168,7 +199,7 @@ class LocalJob:
         self.restores = 0
         self.redone = 0
         self.fault_at: float | None = None
-        start = time.monotonic()
+        start = self.started = time.monotonic()
         try:
             for i in range(self.workers):
                 self._spawn(f"worker-{i}")
@@ -182,6 +213,7 @@ class LocalJob:
                     self._spawn(name)
                     self.waiting_joiners.append((step, name))
             self._await_hellos(list(self.procs), start)
+            self.next_kill_at = time.monotonic() + (self.kill_every_s or 0.0)
             self._apply(core.handle_all(self.state, core.observe(self.state, self._live(), ()),
                                         time.time()))
             while self.committed < self.steps:
@@ -189,6 +221,7 @@ class LocalJob:
                     raise TimeoutError(f"the job did not finish {self.steps} steps in "
                                        f"{self.timeout_s:.0f} s")
                 self._tick()
+                self._inject_timed_fault()
                 time.sleep(_POLL_S)
             wall = time.monotonic() - start
         finally:
@@ -231,6 +264,8 @@ class LocalJob:
         if dead:
             time.sleep(_SETTLE_S)
         self._detected_at = time.monotonic()
+        if dead and self.restart_on_failure:
+            self._restart_survivors()
         return core.observe(self.state, self._live(), ())
 
     def _complete(self, d: Directive, step: int) -> None:
@@ -241,6 +276,9 @@ class LocalJob:
         if step in self.records:
             self.redone += 1
         self.records[step] = (ids, reports[0].loss)
+        if (self.duration_s is not None and step == max(self.records)
+                and time.monotonic() - self.started >= self.duration_s):
+            self.steps = step  # out of time: this step is the last
         progress = core.Progress(step=step, generation=g, loads=reports[0].loads,
                                  checkpoint_step=self.chan.checkpoint())
         self._last_reconfig(g, lambda r: r.resumed_at or setattr(r, "resumed_at",
@@ -276,10 +314,21 @@ class LocalJob:
     def _inject_faults(self, step: int) -> None:
         for fault in [f for f in self.kills if f.step == step]:
             self.kills.remove(fault)
-            in_plan = [n.name for n in self.directive.plan.nodes
-                       if self.procs[n.name].poll() is None]
+            in_plan = self._plan_workers_alive()
             names = list(fault.names) or self.rng.sample(in_plan, min(fault.count, len(in_plan)))
             self._kill(sorted(names))
+
+    def _inject_timed_fault(self) -> None:
+        if (self.kill_every_s is None or self.directive is None
+                or time.monotonic() < self.next_kill_at):
+            return
+        self.next_kill_at += self.kill_every_s
+        in_plan = self._plan_workers_alive()
+        if len(in_plan) > 1:  # never the last one: the job could not go on
+            self._kill([self.rng.choice(in_plan)], when="during step {}")
+
+    def _plan_workers_alive(self) -> list[str]:
+        return [n.name for n in self.directive.plan.nodes if self.procs[n.name].poll() is None]
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -333,7 +382,7 @@ class LocalJob:
                 migrated, restored = migration.experts_migrated, None
         now = time.monotonic()
         self.reconfigs.append(Reconfiguration(
-            plan.generation, plan.reason, migrated, restored,
+            plan.generation, plan.reason, len(directive.exchange_ranks()), migrated, restored,
             fault_at=self.fault_at or getattr(self, "_detected_at", now),
             detected_at=getattr(self, "_detected_at", now), published_at=now))
         self.fault_at = None
@@ -365,7 +414,7 @@ class LocalJob:
     def _result(self, wall: float) -> RunResult:
         for r in self.reconfigs:
             r.worker_timings = {
-                str(rank): t for rank in range(len(r.worker_timings) + 64)
+                str(rank): t for rank in range(r.members)
                 if (t := self.chan.timings(r.generation, rank)) is not None}
         lost = duplicated = 0
         for step in range(1, self.steps + 1):

@@ -26,6 +26,16 @@ def test_json_output_has_the_contract_keys():
     assert set(data["recovery"]) == {"1", "2", "3", "4"}
 
 
+def test_zone_loss_is_reported_for_each_zone_and_as_a_probability():
+    args = ["plan", "--nodes", "6", "--slots", "4", "--experts", "6", "--zones", "3", "--json"]
+    data = json.loads(lazarus(*args, "--policy", "compact").stdout)
+    assert set(data["zone_survival"]) == {"zone-0", "zone-1", "zone-2"}
+    assert data["zone_loss_recovery"] == sum(data["zone_survival"].values()) / 3
+    assert data["zone_loss_recovery"] == 0.0  # compact keeps each expert on one node
+    mro = json.loads(lazarus(*args).stdout)
+    assert mro["zone_loss_recovery"] == 1.0
+
+
 def test_human_table_shows_all_policies_side_by_side():
     out = lazarus("plan", "--nodes", "6", "--slots", "4", "--experts", "4", "--zones", "3")
     assert out.returncode == 0, out.stderr
