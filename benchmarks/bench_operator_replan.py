@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -87,7 +88,9 @@ def main() -> int:
         add_nodes(args.nodes)
         print(f"created {args.nodes} simulated nodes in {time.monotonic() - t:.0f} s", flush=True)
         metrics_port = 18080 + os.getpid() % 1000
-        log = open(ROOT / "benchmarks" / f"operator-{ns}.log", "w")
+        log_path = Path(tempfile.gettempdir()) / f"lazarus-operator-{ns}.log"
+        print(f"operator log: {log_path}", flush=True)
+        log = open(log_path, "w")
         operator = subprocess.Popen(
             [sys.executable, "-m", "lazarus_operator", f"--namespace={ns}", "--standalone",
              f"--metrics-port={metrics_port}", "--liveness=", "--start-grace-seconds=30"],
@@ -95,14 +98,10 @@ def main() -> int:
         sampler = Sampler(operator.pid)
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job(ns, args.job_nodes))
 
+        watcher = PlanWatcher(api, ns, "bench-plan")
+
         def plan() -> dict | None:
-            try:
-                cm = core.read_namespaced_config_map("bench-plan", ns)
-            except client.ApiException as e:
-                if e.status == 404:
-                    return None
-                raise
-            return json.loads(cm.data["plan.json"])
+            return watcher.latest
 
         t = time.monotonic()
         full = _wait(lambda: (pl := plan()) and len(pl["nodes"]) == args.job_nodes and pl,
@@ -110,7 +109,7 @@ def main() -> int:
         print(f"job running on {args.job_nodes} nodes (generation {full['generation']}) after "
               f"{time.monotonic() - t:.0f} s", flush=True)
         lose = max(1, math.ceil(args.job_nodes * args.lose_percent / 100))
-        latencies, cpu_per_replan = [], []
+        first_plan, all_out, cpu_per_replan = [], [], []
         for run in range(args.runs):
             time.sleep(3)  # let the previous growth's fan-out settle
             before = plan()
@@ -118,18 +117,23 @@ def main() -> int:
             cpu0 = sampler.cpu()
             t0 = time.monotonic()
             delete_nodes(victims)
-            after = _wait(lambda: (pl := plan()) and pl["generation"] > before["generation"] and pl,
-                          args.timeout, "the new plan", interval=0.02)
-            latencies.append(time.monotonic() - t0)
+            # The operator acts on each deletion it sees at once, so the deletions may land in
+            # more than one generation; both the first one and the one without any victim count.
+            first = _wait(lambda: watcher.first_after(before["generation"]), args.timeout,
+                          "the new plan", interval=0.01)
+            first_plan.append(first[1] - t0)
+            first = first[0]
+            after, seen = _wait(lambda: watcher.first_without(set(victims), before["generation"]),
+                                args.timeout, "a plan without any deleted node", interval=0.01)
+            all_out.append(seen - t0)
             cpu_per_replan.append(sampler.cpu() - cpu0)
-            assert not set(victims) & {n["name"] for n in after["nodes"]}, "a lost node is in the plan"
-            print(f"run {run + 1}: lost {lose} nodes, generation {after['generation']} "
-                  f"({after['reason']}, {len(after['nodes'])} nodes) after {latencies[-1]:.2f} s",
-                  flush=True)
+            print(f"run {run + 1}: lost {lose} nodes; generation {first['generation']} after "
+                  f"{first_plan[-1]:.2f} s, all excluded in generation {after['generation']} "
+                  f"({len(after['nodes'])} nodes) after {all_out[-1]:.2f} s", flush=True)
             add_nodes(lose)
             _wait(lambda: len(plan()["nodes"]) == args.job_nodes, args.timeout,
                   "the job to grow back")
-        _report(args, lose, latencies, cpu_per_replan, sampler)
+        _report(args, lose, first_plan, all_out, cpu_per_replan, sampler)
     finally:
         if operator is not None:
             operator.terminate()
@@ -140,6 +144,41 @@ def main() -> int:
         if not args.keep_cluster:
             local.down(args.cluster)
     return 0
+
+
+class PlanWatcher:
+    """Every version of the plan ConfigMap, stamped with when the watch delivered it: a
+    watch adds no load of its own, unlike polling a large ConfigMap."""
+
+    def __init__(self, api, ns: str, name: str):
+        self.seen: list[tuple[dict, float]] = []
+        self.latest: dict | None = None
+        threading.Thread(target=self._run, args=(api, ns, name), daemon=True).start()
+
+    def _run(self, api, ns, name):
+        from kubernetes import client, watch
+
+        core = client.CoreV1Api(api)
+        while True:
+            try:
+                for event in watch.Watch().stream(core.list_namespaced_config_map, ns,
+                                                  field_selector=f"metadata.name={name}",
+                                                  timeout_seconds=300):
+                    at = time.monotonic()
+                    data = event["object"].data or {}
+                    if event["type"] != "DELETED" and "plan.json" in data:
+                        plan = json.loads(data["plan.json"])
+                        self.seen.append((plan, at))
+                        self.latest = plan
+            except Exception:  # noqa: BLE001 - a dropped watch is re-opened
+                time.sleep(0.1)
+
+    def first_after(self, generation: int):
+        return next(((p, t) for p, t in list(self.seen) if p["generation"] > generation), None)
+
+    def first_without(self, names: set[str], generation: int):
+        return next(((p, t) for p, t in list(self.seen) if p["generation"] > generation
+                     and not names & {n["name"] for n in p["nodes"]}), None)
 
 
 class Sampler:
@@ -165,16 +204,21 @@ class Sampler:
             time.sleep(0.1)
 
 
-def _report(args, lose, latencies, cpu_per_replan, sampler: Sampler) -> None:
-    lat = sorted(latencies)
-    p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
+def _percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _report(args, lose, first_plan, all_out, cpu_per_replan, sampler: Sampler) -> None:
     wall = time.monotonic() - sampler.started
     rows = [
         ("cluster nodes / job nodes / lost at once", f"{args.nodes} / {args.job_nodes} / {lose}"),
-        ("runs", str(len(lat))),
-        ("deletion -> new plan, p50", f"{statistics.median(lat):.2f} s"),
-        ("deletion -> new plan, p99", f"{p99:.2f} s  (target < 2 s)"),
-        ("deletion -> new plan, min / max", f"{lat[0]:.2f} / {lat[-1]:.2f} s"),
+        ("runs", str(len(all_out))),
+        ("deletion -> first new plan, p50 / p99", f"{statistics.median(first_plan):.2f} / "
+                                                  f"{_percentile(first_plan, 0.99):.2f} s"),
+        ("deletion -> plan without every lost node, p50", f"{statistics.median(all_out):.2f} s"),
+        ("deletion -> plan without every lost node, p99", f"{_percentile(all_out, 0.99):.2f} s  "
+                                                          "(target < 2 s)"),
         ("operator CPU per re-plan (median)", f"{statistics.median(cpu_per_replan):.2f} s"),
         ("operator CPU, whole benchmark", f"{sampler.cpu() - sampler.cpu_start:.1f} s over "
                                           f"{wall:.0f} s wall ({100 * (sampler.cpu() - sampler.cpu_start) / wall:.0f}% of a core)"),

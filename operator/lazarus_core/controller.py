@@ -146,8 +146,13 @@ class JobState:
     noticed: frozenset[str] = frozenset()
     # Nodes out of the plan whose workers are kept until the workers leave their generation.
     draining: frozenset[str] = frozenset()
-    # Plan nodes whose worker died since the plan was published. A worker that comes back
-    # on such a node starts empty, so it is no source of expert state for the next plan.
+    # The latest plan the workers are known to hold: generation 1, a plan they reported a
+    # step under, or one they restored a checkpoint into. Until the current plan is
+    # confirmed, its migration may be half done, so only what both plans place on a node is
+    # sure to be there (see ``_sure_holdings``).
+    held: Plan | None = None
+    # Nodes whose worker died since ``held`` was confirmed. A worker that comes back on such
+    # a node starts empty, so it is no source of expert state.
     departed: frozenset[str] = frozenset()
     step: int = 0  # last completed step
     checkpoint_step: int | None = None
@@ -258,13 +263,12 @@ def _on_lost(state: JobState, names: set[str], now: float) -> Outcome:
     names &= state.alive
     if not names:
         return Outcome(state)
-    in_plan = {n.name for n in state.plan.nodes} if state.plan else set()
     state = dataclasses.replace(
         state,
         nodes=tuple(n for n in state.nodes if n.name not in names),
         noticed=state.noticed - names,
         draining=state.draining - names,
-        departed=state.departed | (names & in_plan),
+        departed=state.departed | names,
     )
     if state.plan is None:
         return _advance(state, now)
@@ -308,9 +312,13 @@ def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
         checkpoint_step=p.checkpoint_step if p.checkpoint_step is not None else state.checkpoint_step,
     )
     decisions: list[Decision] = []
-    if state.plan is not None and state.draining and p.generation >= state.plan.generation:
-        decisions.append(ReleaseWorkers(tuple(sorted(state.draining))))
-        state = dataclasses.replace(state, draining=frozenset())
+    if state.plan is not None and p.generation >= state.plan.generation:
+        # The workers finished a step under the current plan: its migration is done.
+        if state.held is not state.plan:
+            state = dataclasses.replace(state, held=state.plan, departed=frozenset())
+        if state.draining:
+            decisions.append(ReleaseWorkers(tuple(sorted(state.draining))))
+            state = dataclasses.replace(state, draining=frozenset())
     if state.pending is not None:
         reason = state.pending
         state = dataclasses.replace(state, pending=None)
@@ -420,8 +428,10 @@ def _publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
         migration = None
     else:
         # replan() keeps the old plan's policy and f; a spec change may have altered them.
-        old = dataclasses.replace(state.plan, policy=spec.policy, min_replicas=spec.min_replicas)
-        sources = ({n.name for n in state.plan.nodes} & state.alive) - state.departed
+        basis = _sure_holdings(state)
+        old = dataclasses.replace(basis, generation=state.plan.generation,
+                                  policy=spec.policy, min_replicas=spec.min_replicas)
+        sources = ({n.name for n in basis.nodes} & state.alive) - state.departed
         result = replan(old, chosen, reason, sources, loads,
                         max_failures=state.settings.max_failures)
         plan, migration = result.plan, result.migration
@@ -436,9 +446,10 @@ def _publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
                f"{moved} expert replicas to migrate")
     decisions: list[Decision] = [PublishPlan(plan, migration, message)]
     state = dataclasses.replace(state, plan=plan, pending=None, draining=draining,
-                                departed=frozenset(),
                                 last_lost=tuple(lost), last_experts_migrated=moved,
                                 changed_at=now, ready_since=None)
+    if generation == 1:
+        state = dataclasses.replace(state, held=plan, departed=frozenset())
     if lost:
         step = state.checkpoint_step
         decisions.append(RestoreCheckpoint(
@@ -446,11 +457,38 @@ def _publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
             f"generation {generation}: {len(lost)} (layer, expert) pairs lost every replica; "
             + (f"restoring the checkpoint of step {step}" if step is not None
                else "no checkpoint exists yet, restarting from step 0")))
-        state = dataclasses.replace(state, step=step or 0, restores=state.restores + 1)
+        # Every worker reloads its experts for this plan from the checkpoint.
+        state = dataclasses.replace(state, step=step or 0, restores=state.restores + 1,
+                                    held=plan, departed=frozenset())
     if draining and not state.training:
         decisions.append(ReleaseWorkers(tuple(sorted(draining))))
         state = dataclasses.replace(state, draining=frozenset())
     return Outcome(state, tuple(decisions))
+
+
+def _sure_holdings(state: JobState) -> Plan:
+    """Per node, the experts it surely holds: a plan-shaped object for the migration planner
+    (which reads only the placement), not a valid plan.
+
+    Before the workers confirm the current plan, a node may still hold its ``held``
+    placement or may already have switched (and dropped experts it no longer hosts), so only
+    experts both plans put on it are sure. A node that joined since holds nothing sure.
+    """
+    held, current = state.held or state.plan, state.plan
+    if held is current:
+        return current
+    now_on = {n.name: i for i, n in enumerate(current.nodes)}
+    layers = []
+    for li, layer in enumerate(held.layers):
+        placement = []
+        for i, node in enumerate(held.nodes):
+            slots = layer.placement[i]
+            if node.name in now_on:
+                keep = set(current.layers[li].placement[now_on[node.name]])
+                slots = tuple(e for e in slots if e in keep)
+            placement.append(slots)
+        layers.append(dataclasses.replace(layer, placement=tuple(placement)))
+    return dataclasses.replace(held, layers=tuple(layers))
 
 
 def _usable(state: JobState) -> list[NodeSpec]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 
 import kopf
 from prometheus_client import start_http_server
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
                          help="kopf peering object: replicas sharing it run one at a time")
     peering.add_argument("--standalone", action="store_true",
                          help="no peering (a single replica, or tests)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority; the highest acts, the others stand by. kopf "
+                             "freezes every replica when priorities tie, so the default is "
+                             "a random one")
     parser.add_argument("--metrics-port", type=int, default=8080,
                         help="serve Prometheus metrics on this port (0: off)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
@@ -42,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         namespaces=args.namespace or (),
         standalone=args.standalone,
         peering_name=args.peering,
+        priority=args.priority if args.priority is not None else random.randrange(1, 2**31),
         liveness_endpoint=args.liveness or None,
         memo=kopf.Memo(start_grace_s=args.start_grace_seconds),
     )

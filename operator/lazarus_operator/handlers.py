@@ -38,6 +38,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # permanently invalid spec) are worth one. The reconciler posts the reconfigurations.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    # A standby replica takes over once the active one misses its keep-alives for this long
+    # (kopf's default is 60 s, a long time for a job whose nodes are being reclaimed).
+    settings.peering.lifetime = 15
 
 
 @kopf.on.create(JOBS)
@@ -67,9 +70,11 @@ def job_event(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo, 
 
 
 @kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT, builders.ROLE_LABEL: "worker"})
-def worker_pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_) -> None:
+def worker_pod_event(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
+                     memo: kopf.Memo, **_) -> None:
     """Deleted, failed, evicted, scheduled, running, a DisruptionTarget condition, progress."""
-    memo.reconciler.request(namespace, labels[builders.JOB_LABEL])
+    if memo.reconciler.pod_changed(event["object"], deleted=event["type"] == "DELETED"):
+        memo.reconciler.request(namespace, labels[builders.JOB_LABEL])
 
 
 @kopf.on.event("nodes")

@@ -116,6 +116,19 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
     return out
 
 
+def pod_fingerprint(pod: Mapping) -> tuple:
+    """Everything ``observe_workers`` reads from a pod: if it is unchanged, so is the job."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    return (
+        status.get("phase"),
+        (pod.get("spec") or {}).get("nodeName"),
+        bool(meta.get("deletionTimestamp")),
+        _disruption_target(status),
+        (meta.get("annotations") or {}).get(PROGRESS_ANNOTATION),
+        (meta.get("labels") or {}).get(INDEX_LABEL),
+    )
+
+
 def _disruption_target(status: Mapping) -> bool:
     """The pod condition Kubernetes sets before evicting or preempting a pod."""
     return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"

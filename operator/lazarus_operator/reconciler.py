@@ -32,7 +32,7 @@ from lazarus_core.plan import Plan, PlanError
 from lazarus_core.topology import NodeSpec
 
 from . import builders, metrics
-from .observe import NodeInfo, Observation, observe_workers
+from .observe import NodeInfo, Observation, observe_workers, pod_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class _Job:
     running: bool = False
     service_ready: bool = False
     retry: threading.Timer | None = None
+    # The newest generation published; stale pod annotations in flight are skipped.
+    published: int = 0
 
 
 class Reconciler:
@@ -57,10 +59,16 @@ class Reconciler:
         self.settings = settings
         self.clock = clock
         self.nodes: dict[str, NodeInfo] = {}
+        # Nodes the watch saw deleted: known gone without asking the API server (a spot
+        # reclaim deletes many at once, and each lookup would delay the re-plan).
+        self.gone: set[str] = set()
         self.jobs: dict[Key, _Job] = {}
+        self._pod_fingerprints: dict[Key, tuple] = {}
         self._jobs_guard = threading.Lock()
-        # Pod annotations and deletions fan out; the plan ConfigMap is written first.
-        self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazarus-fanout")
+        # Pod creations and deletions fan out, and the pass waits for them; the generation
+        # annotations go to their own pool and nobody waits for them.
+        self._batch = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazarus-batch")
+        self._background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lazarus-annotate")
 
     # --- entry points -------------------------------------------------------------------
 
@@ -91,13 +99,29 @@ class Reconciler:
         after = NodeInfo.from_manifest(node) if node is not None else None
         if after is None:
             self.nodes.pop(name, None)
+            self.gone.add(name)
         else:
             self.nodes[name] = after
+            self.gone.discard(name)
         if before is not None and after is not None and (before.ready, before.taints) == (
                 after.ready, after.taints):
             return []
         return [key for key, job in list(self.jobs.items())
                 if job.state is not None and name in job.state.alive]
+
+    def pod_changed(self, pod: dict, deleted: bool) -> bool:
+        """Whether a worker pod changed in a way the controller reads (not, for example, the
+        operator's own generation annotation: hundreds of those must not trigger re-plans)."""
+        meta = pod["metadata"]
+        key = (meta.get("namespace", ""), meta["name"])
+        if deleted:
+            self._pod_fingerprints.pop(key, None)
+            return True
+        fingerprint = pod_fingerprint(pod)
+        if self._pod_fingerprints.get(key) == fingerprint:
+            return False
+        self._pod_fingerprints[key] = fingerprint
+        return True
 
     def forget(self, namespace: str, name: str) -> None:
         with self._jobs_guard:
@@ -128,6 +152,7 @@ class Reconciler:
         pods = self._list_json(self.core.list_namespaced_pod, namespace,
                                label_selector=builders.selector(name))
         obs = observe_workers(pods, self._node_infos(pods), spec)
+        observed = time.perf_counter()
 
         events: list[core.Event] = core.observe(state, obs.live, obs.noticed)
         if fresh or spec != state.spec:
@@ -143,9 +168,11 @@ class Reconciler:
             # A change the CRD's CEL rules would have refused (immutable fields).
             self._event(body, "InvalidSpec", str(e), "Warning", f"invalid.{body['metadata']['generation']}")
             return
-        metrics.SOLVER_SECONDS.labels(namespace, name).observe(time.perf_counter() - t0)
+        solved = time.perf_counter() - t0
+        metrics.SOLVER_SECONDS.labels(namespace, name).observe(solved)
+        timing = f"observe {observed - started:.3f} s, solve {solved:.3f} s"
         try:
-            self._apply(body, spec, outcome, obs, started)
+            self._apply(body, spec, outcome, obs, started, timing)
         except Exception:
             job.state = None  # rebuild from the API server next time: it is the truth
             raise
@@ -162,7 +189,7 @@ class Reconciler:
         job.retry.start()
 
     def _apply(self, body: dict, spec: JobSpec, outcome: core.Outcome, obs: Observation,
-               started: float) -> None:
+               started: float, timing: str) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         state = outcome.state
         restores = {d.generation: d for d in outcome.decisions
@@ -170,7 +197,7 @@ class Reconciler:
         self._ensure_service(body)
         for d in outcome.decisions:
             if isinstance(d, core.PublishPlan):
-                self._publish(body, d, restores.get(d.plan.generation), obs, started)
+                self._publish(body, d, restores.get(d.plan.generation), obs, started, timing)
             elif isinstance(d, core.ReleaseWorkers):
                 self._delete_pods([(obs.pod_on[n], False) for n in d.names if n in obs.pod_on],
                                   namespace)
@@ -183,7 +210,7 @@ class Reconciler:
         self._patch_status(body, state)
 
     def _publish(self, body: dict, d: core.PublishPlan, restore: core.RestoreCheckpoint | None,
-                 obs: Observation, started: float) -> None:
+                 obs: Observation, started: float, timing: str) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         plan = d.plan
         restore_doc = None if restore is None else {
@@ -202,7 +229,7 @@ class Reconciler:
         metrics.PLAN_GENERATION.labels(*labels).set(plan.generation)
         for k, p in plan.recovery.items():
             metrics.RECOVERY_PROBABILITY.labels(*labels, k).set(p)
-        log.info("%s/%s: %s (%.3f s)", namespace, name, d.message, elapsed)
+        log.info("%s/%s: %s (published in %.3f s: %s)", namespace, name, d.message, elapsed, timing)
         self._event(body, "PlanPublished" if plan.generation == 1 else "Reconfigured",
                     d.message, "Normal", f"g{plan.generation}.published")
         if restore is not None:
@@ -210,11 +237,22 @@ class Reconciler:
             self._event(body, "CheckpointRestore", restore.message, "Warning",
                         f"g{plan.generation}.restore")
         # The ConfigMap is the plan; the pod annotation lets `kubectl get pods` show which
-        # generation each worker was last told about.
+        # generation each worker was last told about. It is informational, so it fans out in
+        # the background: hundreds of pod patches must not delay the next re-plan.
+        job = self._job((namespace, name))
+        job.published = plan.generation
         patch = {"metadata": {"annotations": {builders.GENERATION_ANNOTATION: str(plan.generation)}}}
-        pods = [obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on]
-        list(self._fanout.map(lambda p: self._ignore_missing(
-            self.core.patch_namespaced_pod, p, namespace, patch), pods))
+
+        def annotate(pod: str) -> None:
+            if job.published != plan.generation:
+                return  # a newer generation is out; its own fan-out covers this pod
+            try:
+                self._ignore_missing(self.core.patch_namespaced_pod, pod, namespace, patch)
+            except ApiException as e:
+                log.warning("could not annotate %s/%s: %s", namespace, pod, e.reason)
+
+        for pod in (obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on):
+            self._background.submit(annotate, pod)
 
     def _right_size(self, body: dict, spec: JobSpec, state: core.JobState,
                     obs: Observation) -> None:
@@ -223,14 +261,17 @@ class Reconciler:
         missing = state.missing_workers(len(obs.starting))
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6) if i not in obs.used_indices)
-        for _ in range(missing):
-            pod = builders.build_worker_pod(name, namespace, spec, next(free), generation)
+        pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation)
+                for _ in range(missing)]
+
+        def create(pod: dict) -> None:
             kopf.adopt(pod, owner=body)
             try:
                 self.core.create_namespaced_pod(namespace, pod)
             except ApiException as e:
                 if e.status != 409:  # 409: created by a pass before a restart
                     raise
+        list(self._batch.map(create, pods))
         usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
         excess = usable + len(obs.starting) - spec.target_nodes
         if excess > 0:
@@ -280,7 +321,9 @@ class Reconciler:
                 for n in plan.nodes)
         step = status.get("step", 0)
         return core.JobState(
-            spec=spec, plan=plan, nodes=nodes, step=step,
+            # The published plan is taken as held: a restart cannot tell a half-done
+            # migration from a finished one, and the workers' next report settles it.
+            spec=spec, plan=plan, held=plan, nodes=nodes, step=step,
             checkpoint_step=status.get("checkpointStep"),
             last_rebalance_step=step,
             progress_generation=plan.generation if plan is not None and step else None,
@@ -300,7 +343,7 @@ class Reconciler:
             node = (pod.get("spec") or {}).get("nodeName")
             if not node or node in infos:
                 continue
-            if node not in self.nodes:
+            if node not in self.nodes and node not in self.gone:
                 try:  # not seen by the node watch yet (operator just started)
                     self.nodes[node] = NodeInfo.from_manifest(
                         json.loads(self.core.read_node(node, _preload_content=False).data))
@@ -350,7 +393,7 @@ class Reconciler:
             # so its name and its place in the count are free at once.
             self._ignore_missing(self.core.delete_namespaced_pod, pod, namespace,
                                  grace_period_seconds=0 if force else None)
-        list(self._fanout.map(delete, pods))
+        list(self._batch.map(delete, pods))
 
     @staticmethod
     def _ignore_missing(fn, *args, **kwargs) -> None:

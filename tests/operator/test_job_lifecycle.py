@@ -197,3 +197,53 @@ def test_deleting_the_job_leaves_no_orphans(cluster, operator, jobs, scratch_nod
     wait_until(lambda: not jobs.workers("gone") and jobs.plan("gone") is None and not
                core.list_namespaced_service(jobs.namespace, label_selector="lazarus.dev/job=gone").items,
                timeout=30, what="the job's pods, plan ConfigMap and Service to be garbage-collected")
+
+
+def report_progress(jobs, pod_name, **progress):
+    """What rank 0 does at the end of a step: annotate its own pod."""
+    jobs.core.patch_namespaced_pod(pod_name, jobs.namespace, {"metadata": {"annotations": {
+        "lazarus.dev/progress": json.dumps(progress)}}})
+
+
+def test_progress_reports_drive_the_step_and_rebalancing(cluster, operator, jobs, scratch_nodes):
+    # 2 nodes x 8 slots for 4 experts with f=2: room for replicas to follow the load.
+    started(jobs, scratch_nodes, "steps", nodes=2, zones=1, maxNodes=2, replicas=2,
+            slotsPerGpu=8, rebalanceEverySteps=10, rebalanceMinGainPercent=10)
+    wait_until(lambda: len(jobs.plan_nodes("steps")) == 2, timeout=20, what="2 nodes in the plan")
+    rank0 = jobs.workers("steps")[0].metadata.name
+    report_progress(jobs, rank0, step=5, generation=1, checkpointStep=5,
+                    loads=[[10, 10, 10, 10], [10, 10, 10, 10]])
+    wait_until(lambda: jobs.status("steps").get("step") == 5, timeout=10, what="status.step = 5")
+    assert jobs.status("steps")["checkpointStep"] == 5 and jobs.generation("steps") == 1
+    # Skewed loads at the rebalance interval: replicas follow the load at the step boundary.
+    report_progress(jobs, rank0, step=10, generation=1, loads=[[70, 10, 10, 10], [10, 10, 10, 70]])
+    plan = jobs.wait_generation("steps", 2)
+    assert plan["reason"] == "Rebalance"
+    assert plan["layers"][0]["replicas"][0] > plan["layers"][0]["replicas"][1]
+    assert plan["layers"][1]["replicas"][3] > plan["layers"][1]["replicas"][0]
+    assert min(min(layer["replicas"]) for layer in plan["layers"]) >= 2  # f still holds
+
+
+def test_a_second_replica_stands_by_and_takes_over(cluster, namespace, operator_factory, jobs,
+                                                   scratch_nodes):
+    from kubernetes import client
+
+    client.CustomObjectsApi(cluster.api).create_namespaced_custom_object(
+        "kopf.dev", "v1", namespace, "kopfpeerings", {
+            "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "lazarus"}})
+    first = operator_factory(peering="lazarus").start()
+    second = operator_factory(peering="lazarus").start()
+    made, _ = started(jobs, scratch_nodes, "ha", nodes=4, zones=2, maxNodes=4, replicas=4)
+    wait_until(lambda: len(jobs.plan_nodes("ha")) == 4, timeout=20, what="4 nodes in the plan")
+    # Exactly one replica acts; the other has paused in its favour.
+    paused = wait_until(lambda: [op for op in (first, second)
+                                 if "Pausing operations in favour of" in op.log_text()],
+                        timeout=20, what="one replica to pause for the other")
+    assert len(paused) == 1
+    active = second if paused[0] is first else first
+    active.kill()
+    victim = jobs.plan_nodes("ha")[0]
+    faults.delete_node(cluster.core, victim)
+    jobs.wait_generation("ha", 2, timeout=60)  # the standby resumes and re-plans
+    assert victim not in jobs.plan_nodes("ha")
+    assert len({p.metadata.name for p in jobs.workers("ha")}) == len(jobs.workers("ha"))

@@ -244,14 +244,20 @@ def test_every_history_keeps_the_invariants(events, policy):
                 if d.migration is not None:
                     lost = set(d.migration.lost)
                     # Unrecoverable iff some expert has no surviving replica.
-                    old = before.plan
-                    # Survivors: workers that lived through the whole generation (a worker
-                    # that died and came back starts empty).
-                    alive_old = {n.name for n in old.nodes} & before.alive - before.departed - set(
-                        ev.names if isinstance(ev, c.NodesLost) else ())
-                    survivors = {(li, e) for li, layer in enumerate(old.layers)
-                                 for i, n in enumerate(old.nodes) if n.name in alive_old
-                                 for e in layer.placement[i]}
+                    # Survivors: workers alive since the plan the workers last confirmed,
+                    # holding what that plan and the current one both put on them (a
+                    # half-done migration may have moved either way).
+                    gone = before.departed | set(ev.names if isinstance(ev, c.NodesLost) else ())
+                    survivors = set()
+                    for i, n in enumerate(before.held.nodes):
+                        if n.name not in before.alive or n.name in gone:
+                            continue
+                        for li in range(spec.layers):
+                            sure = set(before.held.layers[li].placement[i])
+                            if n.name in {m.name for m in before.plan.nodes}:
+                                j = before.plan.node_index(n.name)
+                                sure &= set(before.plan.layers[li].placement[j])
+                            survivors |= {(li, e) for e in sure}
                     every = {(li, e) for li in range(spec.layers) for e in range(spec.experts)}
                     assert lost == every - survivors
                     assert any(isinstance(x, c.RestoreCheckpoint) for x in out.decisions) == bool(lost)
@@ -265,3 +271,24 @@ def test_a_worker_that_died_and_came_back_is_no_source_of_experts():
     assert _kinds(out) == ["Wait"]
     out = c.handle(out.state, c.NodesJoined(nodes(first)), T0 + 1)
     assert any(isinstance(d, c.RestoreCheckpoint) for d in out.decisions)
+
+
+def test_two_losses_seen_apart_are_judged_on_what_the_workers_surely_hold():
+    # Skewed load: the cold experts have exactly 2 replicas each (see the pair test above).
+    spec = job(replicas=6, maxNodes=6, slotsPerGpu=2)
+    state = dataclasses.replace(c.new_job(spec, c.Settings(start_grace_s=0)),
+                                loads=((1, 1, 1, 9), (1, 1, 1, 9)))
+    state = c.handle(state, c.NodesJoined(nodes(*[f"n{i}" for i in range(6)], slots=2)), T0).state
+    plan = state.plan
+    holders = [n.name for i, n in enumerate(plan.nodes) if 0 in plan.layers[0].placement[i]]
+    assert len(holders) == 2  # expert 0 of layer 0 lives on exactly these two nodes
+    first = c.handle(state, c.NodesLost((holders[0],)), T0 + 1)
+    assert _published(first).migration.recoverable  # the second holder sends expert 0 on
+    # The second holder dies before any worker reports a step of generation 2: the copy it
+    # was sending may never have arrived, so expert 0 must come from the checkpoint.
+    out = c.handle(first.state, c.NodesLost((holders[1],)), T0 + 2)
+    assert any(isinstance(d, c.RestoreCheckpoint) and (0, 0) in d.lost for d in out.decisions)
+    # Had the workers confirmed generation 2 first, the copy would be known to exist.
+    confirmed = c.handle(first.state, c.Progress(step=1, generation=2), T0 + 2).state
+    out = c.handle(confirmed, c.NodesLost((holders[1],)), T0 + 3)
+    assert not any((0, 0) in d.lost for d in out.decisions if isinstance(d, c.RestoreCheckpoint))

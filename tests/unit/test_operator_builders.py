@@ -105,3 +105,14 @@ def test_a_garbled_progress_report_is_ignored():
     pods = [_pod("j-worker-0", "a", progress={"step": "x"})]
     obs = observe_workers(pods, {"a": NodeInfo.from_manifest(_node("a"))}, SPEC)
     assert obs.progress is None and len(obs.live) == 1
+
+
+def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
+    from lazarus_operator.observe import pod_fingerprint
+
+    pod = _pod("j-worker-0", "a")
+    before = pod_fingerprint(pod)
+    pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] = "9"
+    assert pod_fingerprint(pod) == before
+    pod["metadata"]["annotations"][builders.PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
+    assert pod_fingerprint(pod) != before
