@@ -131,8 +131,14 @@ def main() -> int:
                   f"{first_plan[-1]:.2f} s, all excluded in generation {after['generation']} "
                   f"({len(after['nodes'])} nodes) after {all_out[-1]:.2f} s", flush=True)
             add_nodes(lose)
-            _wait(lambda: len(plan()["nodes"]) == args.job_nodes, args.timeout,
-                  "the job to grow back")
+            # No real workers run here, so the benchmark reports their steps, as rank 0
+            # would: growth waits for a step boundary, and a report also tells the operator
+            # the workers now hold the plan's experts.
+            steps = iter(range(10**6))
+            _wait(lambda: _report_progress(core, ns, plan(), next(steps)) and
+                  len(plan()["nodes"]) == args.job_nodes, args.timeout,
+                  "the job to grow back", interval=0.5)
+            _report_progress(core, ns, plan(), next(steps))
         _report(args, lose, first_plan, all_out, cpu_per_replan, sampler)
     finally:
         if operator is not None:
@@ -202,6 +208,22 @@ class Sampler:
             except psutil.NoSuchProcess:
                 return
             time.sleep(0.1)
+
+
+def _report_progress(core, ns: str, plan: dict, step: int) -> bool:
+    from kubernetes import client
+
+    pods = core.list_namespaced_pod(ns, label_selector="lazarus.dev/job=bench").items
+    on = {p.spec.node_name: p.metadata.name for p in pods if p.spec.node_name}
+    rank0 = on.get(plan["nodes"][0]["name"])
+    if rank0 is not None:
+        try:
+            core.patch_namespaced_pod(rank0, ns, {"metadata": {"annotations": {
+                "lazarus.dev/progress": json.dumps({"step": step,
+                                                    "generation": plan["generation"]})}}})
+        except client.ApiException:
+            pass
+    return True
 
 
 def _percentile(values, q):

@@ -82,7 +82,7 @@ def node_event(event: kopf.RawEvent, name: str, memo: kopf.Memo, **_) -> None:
     """Deleted, NotReady, or tainted with a spot notice: re-plan the jobs that run there."""
     body = None if event["type"] == "DELETED" else event["object"]
     for namespace, job in memo.reconciler.node_changed(body, name):
-        memo.reconciler.request(namespace, job)
+        memo.reconciler.request_settled(namespace, job)
 
 
 def _now() -> str:

@@ -37,6 +37,10 @@ from .observe import NodeInfo, Observation, observe_workers, pod_fingerprint
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, job name)
+# How long node changes are gathered before a re-plan (see ``request_settled``).
+NODE_SETTLE_S = 0.2
+# The pod cache is replaced by a full list at least this often.
+RELIST_S = 10.0
 
 
 @dataclass
@@ -47,6 +51,14 @@ class _Job:
     running: bool = False
     service_ready: bool = False
     retry: threading.Timer | None = None
+    # The job's worker pods as the watch last delivered them, and when they were last
+    # listed in full (see ``_worker_pods``).
+    pods: dict[str, dict] = field(default_factory=dict)
+    listed_at: float = float("-inf")
+    # resourceVersion of the plan ConfigMap this state was built from or last wrote.
+    plan_version: str | None = None
+    heartbeat: threading.Timer | None = None
+    settling: threading.Timer | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
     published: int = 0
 
@@ -93,6 +105,18 @@ class Reconciler:
                 job.running = False
             raise
 
+    def request_settled(self, namespace: str, name: str) -> None:
+        """Reconcile after ``NODE_SETTLE_S``: a reclaim takes many nodes within a fraction of
+        a second, and one plan for all of them beats a plan per node. The window starts at
+        the first change, so a stream of changes cannot postpone the pass."""
+        job = self._job((namespace, name))
+        with job.guard:
+            if job.settling is not None and job.settling.is_alive():
+                return
+            job.settling = threading.Timer(NODE_SETTLE_S, self.request, (namespace, name))
+            job.settling.daemon = True
+            job.settling.start()
+
     def node_changed(self, node: dict | None, name: str) -> list[Key]:
         """Update the node cache; the jobs whose workers this change concerns."""
         before = self.nodes.get(name)
@@ -114,9 +138,12 @@ class Reconciler:
         operator's own generation annotation: hundreds of those must not trigger re-plans)."""
         meta = pod["metadata"]
         key = (meta.get("namespace", ""), meta["name"])
+        job = self._job((key[0], (meta.get("labels") or {}).get(builders.JOB_LABEL, "")))
         if deleted:
+            job.pods.pop(key[1], None)
             self._pod_fingerprints.pop(key, None)
             return True
+        job.pods[key[1]] = pod
         fingerprint = pod_fingerprint(pod)
         if self._pod_fingerprints.get(key) == fingerprint:
             return False
@@ -126,8 +153,9 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         with self._jobs_guard:
             job = self.jobs.pop((namespace, name), None)
-        if job is not None and job.retry is not None:
-            job.retry.cancel()
+        for timer in (job.retry, job.settling, job.heartbeat) if job is not None else ():
+            if timer is not None:
+                timer.cancel()
         metrics.forget(namespace, name)
 
     # --- one pass -----------------------------------------------------------------------
@@ -149,8 +177,7 @@ class Reconciler:
         job = self._job((namespace, name))
         fresh = job.state is None
         state = job.state or self._rebuild(body, spec)
-        pods = self._list_json(self.core.list_namespaced_pod, namespace,
-                               label_selector=builders.selector(name))
+        pods = self._worker_pods(job, namespace, name, fresh)
         obs = observe_workers(pods, self._node_infos(pods), spec)
         observed = time.perf_counter()
 
@@ -179,6 +206,17 @@ class Reconciler:
         job.state = outcome.state
         if outcome.retry_at is not None:
             self._retry(job, namespace, name, outcome.retry_at - now)
+        self._schedule_heartbeat(job, namespace, name)
+
+    def _schedule_heartbeat(self, job: _Job, namespace: str, name: str) -> None:
+        """A pass every ``RELIST_S`` even without events: a watch can miss a deletion (for
+        example while this replica was paused by peering), and the periodic full list
+        catches it. Passes are level-triggered, so an extra one is harmless."""
+        if job.heartbeat is not None:
+            job.heartbeat.cancel()
+        job.heartbeat = threading.Timer(RELIST_S, self.request, (namespace, name))
+        job.heartbeat.daemon = True
+        job.heartbeat.start()
 
     def _retry(self, job: _Job, namespace: str, name: str, delay: float) -> None:
         """Reconcile again after ``delay`` seconds (a deadline the core asked for)."""
@@ -218,7 +256,7 @@ class Reconciler:
             "lost": [list(x) for x in restore.lost]}
         cm = builders.build_plan_configmap(name, namespace, plan, restore_doc)
         kopf.adopt(cm, owner=body)
-        self._upsert_configmap(cm)
+        self._write_plan(self._job((namespace, name)), cm)
         elapsed = time.perf_counter() - started
         labels = (namespace, name)
         if plan.generation > 1:
@@ -296,6 +334,22 @@ class Reconciler:
             builders.GROUP, builders.VERSION, meta["namespace"], builders.PLURAL, meta["name"],
             {"status": new})
 
+    def _worker_pods(self, job: _Job, namespace: str, name: str, fresh: bool) -> list[dict]:
+        """The job's pods: from the watch (listing 500 pods costs a re-plan half a second),
+        but listed in full on a fresh state and every ``RELIST_S``, so the cache can never
+        drift far (a watch event lost, a pause under peering)."""
+        now = time.monotonic()
+        if fresh or now - job.listed_at > RELIST_S:
+            pods = self._list_json(self.core.list_namespaced_pod, namespace,
+                                   label_selector=builders.selector(name))
+            job.pods = {p["metadata"]["name"]: p for p in pods}
+            job.listed_at = now
+            self._refresh_nodes(pods)
+            return pods
+        # Pods this operator created moments ago may not be here yet: creating them again
+        # meets "already exists", which is harmless.
+        return list(job.pods.values())
+
     # --- state rebuild ------------------------------------------------------------------
 
     def _rebuild(self, body: dict, spec: JobSpec) -> core.JobState:
@@ -306,10 +360,12 @@ class Reconciler:
         plan = None
         try:
             cm = self.core.read_namespaced_config_map(builders.plan_configmap_name(name), namespace)
+            self._job((namespace, name)).plan_version = cm.metadata.resource_version
             plan = Plan.from_json((cm.data or {})[builders.PLAN_KEY])
         except ApiException as e:
             if e.status != 404:
                 raise
+            self._job((namespace, name)).plan_version = None
         except (KeyError, PlanError) as e:
             log.error("%s/%s: the plan ConfigMap is unreadable (%s); starting afresh",
                       namespace, name, e)
@@ -337,6 +393,21 @@ class Reconciler:
         with self._jobs_guard:
             return self.jobs.setdefault(key, _Job())
 
+    def _refresh_nodes(self, pods: Iterable[dict]) -> None:
+        """Re-read the nodes these pods run on: the node watch may have missed a deletion."""
+        names = {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}
+        if not names:
+            return
+        listed = self._list_json(self.core.list_node, resource_version="0")
+        present = {n["metadata"]["name"]: n for n in listed}
+        for node in names:
+            if node in present:
+                self.nodes[node] = NodeInfo.from_manifest(present[node])
+                self.gone.discard(node)
+            else:
+                self.nodes.pop(node, None)
+                self.gone.add(node)
+
     def _node_infos(self, pods: Iterable[dict]) -> dict[str, NodeInfo | None]:
         infos: dict[str, NodeInfo | None] = {}
         for pod in pods:
@@ -358,19 +429,20 @@ class Reconciler:
         # Raw JSON: the client's model deserialisation costs seconds for a thousand pods.
         return json.loads(fn(*args, _preload_content=False, **kwargs).data)["items"]
 
-    def _upsert_configmap(self, cm: dict) -> None:
+    def _write_plan(self, job: _Job, cm: dict) -> None:
+        """Write the plan ConfigMap only over the version this state was built from.
+
+        If anyone else wrote it meanwhile (a replica that was active while this one was
+        paused, or one still stopping), the write fails with a conflict, the pass is
+        abandoned and the next one rebuilds from the ConfigMap: two operators can never
+        publish two different plans under one generation number."""
         meta = cm["metadata"]
-        try:
-            self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            try:
-                self.core.create_namespaced_config_map(meta["namespace"], cm)
-            except ApiException as e2:
-                if e2.status != 409:  # created meanwhile (an old replica still stopping)
-                    raise
-                self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
+        if job.plan_version is None:
+            written = self.core.create_namespaced_config_map(meta["namespace"], cm)
+        else:
+            meta["resourceVersion"] = job.plan_version
+            written = self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
+        job.plan_version = written.metadata.resource_version
 
     def _ensure_service(self, body: dict) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
