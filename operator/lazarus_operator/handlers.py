@@ -7,8 +7,10 @@ pool, where the blocking Kubernetes client is fine.
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 
 import kopf
+from kubernetes import client, config
 
 from lazarus_core.controller import Settings
 from lazarus_core.job_spec import SpecError, parse_spec
@@ -19,13 +21,11 @@ from .reconciler import Reconciler
 JOBS = f"{builders.PLURAL}.{builders.VERSION}.{builders.GROUP}"
 # No kopf timer or daemon on jobs: kopf puts a finalizer on every object that has one, and a
 # job would then outlive an uninstalled operator (and block its namespace's deletion). The
-# reconciler schedules its own retries when the core asks for one.
+# reconciler schedules its own retries and a periodic pass per job.
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
-    from kubernetes import client, config
-
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -86,6 +86,4 @@ def node_event(event: kopf.RawEvent, name: str, memo: kopf.Memo, **_) -> None:
 
 
 def _now() -> str:
-    from datetime import datetime, timezone
-
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (namespace, job name)
 # How long node changes are gathered before a re-plan (see ``request_settled``).
 NODE_SETTLE_S = 0.2
-# The pod cache is replaced by a full list at least this often.
+# A pass with a full list of the job's pods and nodes runs at least this often.
 RELIST_S = 10.0
 
 
@@ -51,13 +51,12 @@ class _Job:
     running: bool = False
     service_ready: bool = False
     retry: threading.Timer | None = None
-    # The job's worker pods as the watch last delivered them, and when they were last
-    # listed in full (see ``_worker_pods``).
+    # The job's worker pods as the watch last delivered them (see ``_worker_pods``).
     pods: dict[str, dict] = field(default_factory=dict)
-    listed_at: float = float("-inf")
     # resourceVersion of the plan ConfigMap this state was built from or last wrote.
     plan_version: str | None = None
     heartbeat: threading.Timer | None = None
+    relist_due: bool = False
     settling: threading.Timer | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
     published: int = 0
@@ -208,13 +207,17 @@ class Reconciler:
             self._retry(job, namespace, name, outcome.retry_at - now)
         self._schedule_heartbeat(job, namespace, name)
 
+    def _relist(self, job: _Job, namespace: str, name: str) -> None:
+        job.relist_due = True
+        self.request(namespace, name)
+
     def _schedule_heartbeat(self, job: _Job, namespace: str, name: str) -> None:
         """A pass every ``RELIST_S`` even without events: a watch can miss a deletion (for
         example while this replica was paused by peering), and the periodic full list
         catches it. Passes are level-triggered, so an extra one is harmless."""
         if job.heartbeat is not None:
             job.heartbeat.cancel()
-        job.heartbeat = threading.Timer(RELIST_S, self.request, (namespace, name))
+        job.heartbeat = threading.Timer(RELIST_S, self._relist, (job, namespace, name))
         job.heartbeat.daemon = True
         job.heartbeat.start()
 
@@ -336,14 +339,14 @@ class Reconciler:
 
     def _worker_pods(self, job: _Job, namespace: str, name: str, fresh: bool) -> list[dict]:
         """The job's pods: from the watch (listing 500 pods costs a re-plan half a second),
-        but listed in full on a fresh state and every ``RELIST_S``, so the cache can never
-        drift far (a watch event lost, a pause under peering)."""
-        now = time.monotonic()
-        if fresh or now - job.listed_at > RELIST_S:
+        but listed in full on a fresh state and by the heartbeat pass every ``RELIST_S``, so
+        the cache can never drift far (a watch event lost, a pause under peering). Passes
+        that react to an event never pay for the full list."""
+        if fresh or job.relist_due:
+            job.relist_due = False
             pods = self._list_json(self.core.list_namespaced_pod, namespace,
                                    label_selector=builders.selector(name))
             job.pods = {p["metadata"]["name"]: p for p in pods}
-            job.listed_at = now
             self._refresh_nodes(pods)
             return pods
         # Pods this operator created moments ago may not be here yet: creating them again

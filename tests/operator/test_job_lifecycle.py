@@ -224,6 +224,13 @@ def test_progress_reports_drive_the_step_and_rebalancing(cluster, operator, jobs
     assert min(min(layer["replicas"]) for layer in plan["layers"]) >= 2  # f still holds
 
 
+def _peering_active(op) -> bool:
+    """kopf starts paused and logs each change: the last such line says where it stands."""
+    lines = [l for l in op.log_text().splitlines()
+             if "Resuming operations after the pause" in l or "Pausing operations in favour" in l]
+    return bool(lines) and "Resuming" in lines[-1]
+
+
 def test_a_second_replica_stands_by_and_takes_over(cluster, namespace, operator_factory, jobs,
                                                    scratch_nodes):
     from kubernetes import client
@@ -235,12 +242,10 @@ def test_a_second_replica_stands_by_and_takes_over(cluster, namespace, operator_
     second = operator_factory(peering="lazarus").start()
     made, _ = started(jobs, scratch_nodes, "ha", nodes=4, zones=2, maxNodes=4, replicas=4)
     wait_until(lambda: len(jobs.plan_nodes("ha")) == 4, timeout=20, what="4 nodes in the plan")
-    # Exactly one replica acts; the other has paused in its favour.
-    paused = wait_until(lambda: [op for op in (first, second)
-                                 if "Pausing operations in favour of" in op.log_text()],
-                        timeout=20, what="one replica to pause for the other")
-    assert len(paused) == 1
-    active = second if paused[0] is first else first
+    # Exactly one replica acts; the other stays paused in its favour.
+    active = wait_until(lambda: (act := [op for op in (first, second) if _peering_active(op)])
+                        and len(act) == 1 and act[0], timeout=30,
+                        what="exactly one active replica")
     active.kill()
     victim = jobs.plan_nodes("ha")[0]
     faults.delete_node(cluster.core, victim)
