@@ -169,6 +169,10 @@ def parse_spec(spec: object) -> JobSpec:
     if min_nodes and max_nodes and min_nodes > max_nodes:
         p.bad("spec.minNodes", "InvalidNodeRange",
               f"minNodes ({min_nodes}) exceeds maxNodes ({max_nodes}); raise maxNodes")
+    if min_nodes and max_nodes and replicas and not min_nodes <= replicas <= max_nodes:
+        p.bad("spec.replicas", "InvalidNodeRange",
+              f"the desired node count ({replicas}) must lie between minNodes ({min_nodes}) "
+              f"and maxNodes ({max_nodes})")
     if (experts and f and gpus and slots and max_nodes
             and gpus * slots * max_nodes < experts * f):
         p.bad("spec.maxNodes", "InsufficientSlots",

@@ -45,6 +45,7 @@ def test_fewest_nodes_covers_the_replicas_f_needs():
     ({"maxNodes": 3, "minNodes": 1, "minReplicas": 2, "slotsPerGpu": 1}, "spec.maxNodes",
      "InsufficientSlots"),
     ({"placement": "random"}, "spec.placement", "InvalidPlacement"),
+    ({"replicas": 9}, "spec.replicas", "InvalidNodeRange"),
     ({"minReplicas": 0}, "spec.minReplicas", "InvalidField"),
     ({"gpusPerNode": 1.5}, "spec.gpusPerNode", "InvalidField"),
     ({"runtime": {"experts": 4}}, "spec.runtime.layers", "MissingField"),
