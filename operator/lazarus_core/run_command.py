@@ -71,11 +71,19 @@ def run(args) -> int:
     if workers < spec.fewest_nodes:
         raise ValueError(f"--workers: the job needs at least {spec.fewest_nodes} workers "
                          f"(spec.minNodes, and enough slots for every expert's minReplicas)")
+    if workers > spec.max_nodes:
+        raise ValueError(f"--workers: {workers} exceeds spec.maxNodes ({spec.max_nodes}); "
+                         f"raise maxNodes in the manifest or start fewer workers")
     if args.steps < 1:
         raise ValueError(f"--steps: must be >= 1, got {args.steps}")
     kills, joins = parse_kills(args.kill), parse_joins(args.join)
     if any(f.step > args.steps for f in kills):
         raise ValueError(f"--kill: every STEP must be <= --steps ({args.steps})")
+    known = {f"worker-{i}" for i in range(workers + sum(c for _, c in joins))}
+    unknown = sorted({n for f in kills for n in f.names} - known)
+    if unknown:
+        raise ValueError(f"--kill: no worker named {', '.join(unknown)}; workers are "
+                         f"worker-0 .. worker-{len(known) - 1}")
 
     from lazarus_runtime.config import RuntimeConfig
     from lazarus_runtime.local_backend import LocalJob

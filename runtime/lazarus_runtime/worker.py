@@ -267,6 +267,12 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(int(os.environ.get("LAZARUS_THREADS", "1")))
+    missing = [v for v in ("LAZARUS_COORDINATOR", "LAZARUS_NODE", "LAZARUS_JOB")
+               if not os.environ.get(v)]
+    if missing:
+        print(f"lazarus worker: error: {', '.join(missing)} not set; a worker is started by "
+              f"its coordinator (`lazarus run JOB.yaml --local` starts both)", file=sys.stderr)
+        return 2
     host, port = os.environ["LAZARUS_COORDINATOR"].rsplit(":", 1)
     node = os.environ["LAZARUS_NODE"]
     _, spec = parse_manifest(yaml.safe_load(Path(os.environ["LAZARUS_JOB"]).read_text()))

@@ -1,0 +1,39 @@
+"""`lazarus run` refuses bad manifests and flags before it starts any worker."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml")
+
+
+def lazarus(*args):
+    return subprocess.run([sys.executable, "-m", "lazarus_core.cli", "run", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args,field", [
+    ([EXAMPLE, "--local", "--workers", "9"], "--workers"),
+    ([EXAMPLE, "--local", "--workers", "1"], "--workers"),
+    ([EXAMPLE, "--local", "--steps", "0"], "--steps"),
+    ([EXAMPLE, "--local", "--kill", "0:1"], "--kill"),
+    ([EXAMPLE, "--local", "--kill", "5:worker-7"], "--kill"),
+    ([EXAMPLE, "--local", "--kill", "50:1", "--steps", "10"], "--kill"),
+    ([EXAMPLE, "--local", "--join", "1:1"], "--join"),
+    ([EXAMPLE], "--local"),
+    (["/nonexistent.yaml", "--local"], "nonexistent"),
+])
+def test_bad_flags_exit_2_with_one_line(args, field):
+    out = lazarus(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
+
+
+def test_a_bad_manifest_names_the_field(tmp_path):
+    bad = tmp_path / "job.yaml"
+    bad.write_text(Path(EXAMPLE).read_text().replace("minReplicas: 2", "minReplicas: 0"))
+    out = lazarus(str(bad), "--local")
+    assert out.returncode == 2
+    assert "spec.minReplicas" in out.stderr and len(out.stderr.strip().splitlines()) == 1
