@@ -5,8 +5,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 python=${PYTHON:-python3}
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-  || die "Python 3.10+ is needed (found $("$python" --version 2>&1)); set PYTHON=/path/to/python3.x"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "Python 3.11+ is needed (found $("$python" --version 2>&1)); set PYTHON=/path/to/python3.x"
 
 # pip's output (and setuptools' warnings) only matter when it fails.
 quietly() {
@@ -17,15 +17,25 @@ quietly() {
   fi
 }
 
-# The dependency set is keyed by pyproject.toml, so editing a pin makes a new venv.
-key=$( { "$python" --version; cat "$LAZARUS_ROOT/pyproject.toml"; } | sha256sum | cut -c1-12)
+# Keyed by the Python version and the declared dependencies: editing a pin makes a new
+# venv, editing anything else in pyproject.toml does not.
+key=$("$python" - "$LAZARUS_ROOT/pyproject.toml" <<'PY' | sha256sum | cut -c1-12
+import json, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(sys.version_info[:2], json.dumps([project.get("dependencies"),
+                                        project.get("optional-dependencies")], sort_keys=True))
+PY
+)
 venv="$LAZARUS_CACHE/venv-$key"
+mkdir -p "$LAZARUS_CACHE"
+# Two runs at once (a test and a benchmark, two clones) must not build the same venv twice.
+exec 9>"$LAZARUS_CACHE/venv.lock"
+flock 9
 
 if [ ! -f "$venv/.complete" ]; then
   log "creating Python environment $venv (first run downloads torch; a few minutes)"
   start=$SECONDS
   rm -rf "$venv"
-  mkdir -p "$LAZARUS_CACHE"
   "$python" -m venv "$venv"
   quietly "$venv/bin/pip" install --upgrade pip setuptools wheel
   quietly "$venv/bin/pip" install -e "$LAZARUS_ROOT[operator,runtime,sim,test]"
