@@ -180,6 +180,8 @@ class Reconciler:
         obs = observe_workers(pods, self._node_infos(pods), spec)
         observed = time.perf_counter()
 
+        if fresh and state.plan is not None:
+            self._record_publication(body, state.plan)
         events: list[core.Event] = core.observe(state, obs.live, obs.noticed)
         if fresh or spec != state.spec:
             events.append(core.SpecChanged(spec))
@@ -294,6 +296,14 @@ class Reconciler:
 
         for pod in (obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on):
             self._background.submit(annotate, pod)
+
+    def _record_publication(self, body: dict, plan: Plan) -> None:
+        """The Event of the latest generation, in case an operator died between writing the
+        plan and posting it (the Event's name is fixed, so a posted one is not repeated)."""
+        self._event(body, "PlanPublished" if plan.generation == 1 else "Reconfigured",
+                    f"generation {plan.generation} ({plan.reason}): published by an operator "
+                    f"that stopped before recording it; {len(plan.nodes)} nodes",
+                    "Normal", f"g{plan.generation}.published")
 
     def _right_size(self, body: dict, spec: JobSpec, state: core.JobState,
                     obs: Observation) -> None:

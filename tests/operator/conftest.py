@@ -140,6 +140,7 @@ def operator_factory(cluster, namespace, lazarus_crds, tmp_path):
         made.append(op)
         return op
 
+    make.made = made
     yield make
     for op in made:
         op.stop()

@@ -124,14 +124,28 @@ def test_chart_installs_and_the_operator_runs_with_only_its_rbac(cluster, namesp
         with pytest.raises(client.ApiException) as denied:
             as_operator.list_secret_for_all_namespaces()
         assert denied.value.status == 403
+        # RBAC bindings reach the authorizer through an informer: wait until they apply.
+        as_operator_jobs = client.CustomObjectsApi(token_client(cluster.kubeconfig, token))
+        wait_until(lambda: as_operator_jobs.list_namespaced_custom_object(
+            "lazarus.dev", "v1alpha1", namespace, "lazarusjobs") is not None,
+            timeout=20, what="the chart's RBAC to take effect")
         # The operator process itself runs under that identity, with kopf peering on.
         op = operator_factory(kubeconfig=_token_kubeconfig(cluster.kubeconfig, token, tmp_path),
                               peering="lazarus").start()  # the chart's KopfPeering
-        scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+        made = [n for names in scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=3).values()
+                for n in names]
         jobs.create(make_job("chart", namespace, maxNodes=2, replicas=2))
         jobs.wait_generation("chart", 1)
         wait_until(lambda: len(jobs.workers("chart")) == 2, timeout=20, what="2 workers")
-        assert "403" not in op.log_text() and "Forbidden" not in op.log_text()
+        # A whole reconfiguration under the chart's RBAC: a lost node, a new plan, a new
+        # worker on the spare node, Events and status, and not one request refused.
+        before = len(op.log_text())
+        lost = jobs.plan_nodes("chart")[0]
+        cluster.core.delete_node(lost)
+        wait_until(lambda: len(jobs.plan_nodes("chart")) == 2 and lost not in jobs.plan_nodes("chart"),
+                   timeout=30, what="the job to lose a node and go on with the spare one")
+        assert set(jobs.plan_nodes("chart")) <= set(made)
+        assert "Forbidden" not in op.log_text()[before:] and "403" not in op.log_text()[before:]
         # The workers' ServiceAccount reads the plan but no Secrets.
         worker_token = cluster.core.create_namespaced_service_account_token(
             "lazarus-worker", namespace, client.AuthenticationV1TokenRequest(
@@ -142,6 +156,8 @@ def test_chart_installs_and_the_operator_runs_with_only_its_rbac(cluster, namesp
             as_worker.list_namespaced_secret(namespace)
         assert denied.value.status == 403
     finally:
+        for op in operator_factory.made:  # stop it before its RBAC goes away
+            op.stop()
         helm("uninstall", release, "-n", namespace, *kubeconfig)
 
 
