@@ -100,6 +100,7 @@ class RunResult:
     workers: int
     generation: int
     wall_seconds: float
+    training_seconds: float  # wall_seconds less the workers' start-up
     tokens_per_second: float
 
     def to_dict(self) -> dict:
@@ -130,8 +131,8 @@ class LocalJob:
         self.timeout_s = timeout_s
         # SIGKILL one random plan worker every this many seconds, from when training starts.
         self.kill_every_s = kill_every_s
-        # End at the first step of new progress past this many seconds: with kill_every_s,
-        # a run of fixed length whatever the failures cost.
+        # End at the first step of new progress past this many seconds of training: with
+        # kill_every_s, a run of fixed length whatever the failures cost.
         self.duration_s = duration_s
         self.restart_on_failure = restart_on_failure
         cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
@@ -199,7 +200,7 @@ class LocalJob:
         self.restores = 0
         self.redone = 0
         self.fault_at: float | None = None
-        start = self.started = time.monotonic()
+        start = time.monotonic()
         try:
             for i in range(self.workers):
                 self._spawn(f"worker-{i}")
@@ -213,7 +214,8 @@ class LocalJob:
                     self._spawn(name)
                     self.waiting_joiners.append((step, name))
             self._await_hellos(list(self.procs), start)
-            self.next_kill_at = time.monotonic() + (self.kill_every_s or 0.0)
+            self.training_from = time.monotonic()  # every worker is up
+            self.next_kill_at = self.training_from + (self.kill_every_s or 0.0)
             self._apply(core.handle_all(self.state, core.observe(self.state, self._live(), ()),
                                         time.time()))
             while self.committed < self.steps:
@@ -224,9 +226,10 @@ class LocalJob:
                 self._inject_timed_fault()
                 time.sleep(_POLL_S)
             wall = time.monotonic() - start
+            training = time.monotonic() - self.training_from
         finally:
             self._shutdown()
-        return self._result(wall)
+        return self._result(wall, training)
 
     def _await_hellos(self, names: list[str], start: float) -> None:
         while not all(self.chan.said_hello(n) for n in names):
@@ -277,7 +280,7 @@ class LocalJob:
             self.redone += 1
         self.records[step] = (ids, reports[0].loss)
         if (self.duration_s is not None and step == max(self.records)
-                and time.monotonic() - self.started >= self.duration_s):
+                and time.monotonic() - self.training_from >= self.duration_s):
             self.steps = step  # out of time: this step is the last
         progress = core.Progress(step=step, generation=g, loads=reports[0].loads,
                                  checkpoint_step=self.chan.checkpoint())
@@ -411,7 +414,7 @@ class LocalJob:
                 "generation": plan.generation, "workers": plan.world_size,
                 "lowest_replicas": core.lowest_replicas(self.state)}
 
-    def _result(self, wall: float) -> RunResult:
+    def _result(self, wall: float, training: float) -> RunResult:
         for r in self.reconfigs:
             r.worker_timings = {
                 str(rank): t for rank in range(r.members)
@@ -430,7 +433,7 @@ class LocalJob:
             samples_duplicated=duplicated, steps_redone=self.redone, losses=losses,
             workers=self.directive.plan.world_size if self.directive else 0,
             generation=self.directive.generation if self.directive else 0,
-            wall_seconds=round(wall, 3),
+            wall_seconds=round(wall, 3), training_seconds=round(training, 3),
             tokens_per_second=round(len(self.records) * self.tokens_per_step / wall, 1))
 
     def _shutdown(self) -> None:

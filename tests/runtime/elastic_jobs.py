@@ -26,12 +26,13 @@ def manifest(tmp: Path, name: str, **spec_overrides) -> Path:
 
 
 def run(path: Path, workers: int, kills=(), joins=(), steps: int = STEPS,
-        events: list | None = None) -> RunResult:
+        events: list | None = None, **options) -> RunResult:
+    """``options``: further LocalJob arguments (restart_on_failure, ...)."""
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
     job = LocalJob(name, spec, path, workers, steps, list(kills), list(joins),
                    checkpoint_dir=path.parent / "ckpt" / name,
                    on_event=(events.append if events is not None else lambda line: None),
-                   timeout_s=240)
+                   timeout_s=240, **options)
     return job.run()
 
 
