@@ -43,11 +43,15 @@ _POLL_S = 0.002
 
 @dataclass(frozen=True)
 class Fault:
-    """At ``step`` (as it starts), kill ``count`` random plan workers, or the ``names``."""
+    """At ``step`` (as it starts), kill ``count`` random plan workers, or the ``names``.
+
+    With ``mid_reconfiguration`` the kill waits for the first plan published at or after
+    ``step`` and strikes right after it, while the survivors regroup and move experts."""
 
     step: int
     count: int = 0
     names: tuple[str, ...] = ()
+    mid_reconfiguration: bool = False
 
 
 @dataclass
@@ -314,8 +318,9 @@ class LocalJob:
                                                       self.spec.replicas + count))
         return [core.SpecChanged(self.spec)]
 
-    def _inject_faults(self, step: int) -> None:
-        for fault in [f for f in self.kills if f.step == step]:
+    def _inject_faults(self, step: int, mid_reconfiguration: bool = False) -> None:
+        for fault in [f for f in self.kills if f.step == step
+                      and f.mid_reconfiguration == mid_reconfiguration]:
             self.kills.remove(fault)
             in_plan = self._plan_workers_alive()
             names = list(fault.names) or self.rng.sample(in_plan, min(fault.count, len(in_plan)))
@@ -399,6 +404,9 @@ class LocalJob:
         self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
                       f"workers, {migrated} expert replicas migrated"
                       + (f", restored step {restored}" if restored is not None else ""))
+        for step in sorted({f.step for f in self.kills if f.mid_reconfiguration
+                            and f.step <= directive.start_step}):
+            self._inject_faults(step, mid_reconfiguration=True)
 
     def _last_reconfig(self, generation: int, update) -> None:
         for r in reversed(self.reconfigs):

@@ -35,8 +35,28 @@ def test_losses_match_a_failure_free_run_through_two_failures(tmp_path, referenc
     result = run(path, workers=4, kills=[Fault(10, count=1), Fault(20, count=2)])
     assert_equivalent(result, reference)
     assert result.failures == 3 and result.workers == 1
-    assert [r["reason"] for r in result.reconfigurations] == ["NodeLost", "NodeLost"]
+    # Two deaths at once are one re-plan when they are seen within a few milliseconds,
+    # two when not (the first plan is then superseded before it is adopted); both are fine.
+    reasons = [r["reason"] for r in result.reconfigurations]
+    assert set(reasons) == {"NodeLost"} and len(reasons) in (2, 3)
     assert result.checkpoint_restores == 0
+
+
+def test_a_death_during_a_reconfiguration_supersedes_it(tmp_path, reference):
+    path = manifest(tmp_path, "during-reconfiguration")
+    events = []
+    result = run(path, workers=4, events=events, kills=[
+        Fault(10, names=("worker-3",)),
+        Fault(10, names=("worker-1",), mid_reconfiguration=True)])
+    assert_equivalent(result, reference)
+    generations = [r["generation"] for r in result.reconfigurations]
+    assert generations == [2, 3] and result.workers == 2
+    # Generation 2 never took effect: generation 3's transfers come from what the workers
+    # really held (generation 1), so no expert was lost and nothing was restored.
+    assert result.checkpoint_restores == 0
+    # The survivors were waiting for worker-1 to join generation 2; they must not sit out
+    # a rendezvous timeout (60 s) before taking generation 3.
+    assert result.reconfigurations[1]["seconds"] < 5.0, result.reconfigurations
 
 
 def test_a_worker_killed_mid_collective_never_hangs_the_survivors(tmp_path, reference):
