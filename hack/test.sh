@@ -9,4 +9,6 @@ venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
 # another cluster; its binaries are built once per machine (minutes cold, instant when cached).
 [ -n "${LAZARUS_TEST_KUBECONFIG:-}" ] || "$LAZARUS_ROOT/hack/build-control-plane.sh"
 cd "$LAZARUS_ROOT"
+# The venv's tools (lazarus, hadolint) are what the tests run.
+export PATH="$venv/bin:$PATH"
 exec "$venv/bin/python" -m pytest "$@"
