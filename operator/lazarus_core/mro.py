@@ -25,18 +25,14 @@ SCORED_FAILURES = 6
 _SCORING_BUDGET = 30_000
 
 
-def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
-        loads: Sequence[Sequence[float]] | None = None) -> list[Placement]:
-    """MRO placements of every layer; ``loads`` (per layer) only steer per-node balance."""
+def mro(layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement]:
     num_experts = len(layers[0])
     min_slots = min(slots)
-    loads = loads if loads is not None else [None] * len(layers)
     if num_experts <= min_slots:
         grouping = Grouping.build(layers, slots, [num_experts])
-        return [nested_groups(r, slots, grouping, t) for r, t in zip(layers, loads)]
+        return [nested_groups(r, slots, grouping) for r in layers]
 
-    probe_layer = min(range(len(layers)), key=lambda i: sorted(layers[i]))
-    probe, probe_loads = layers[probe_layer], loads[probe_layer]
+    probe = min(layers, key=lambda r: sorted(r))
     max_failures = min(SCORED_FAILURES, len(slots) - 1)
 
     def score(placement: Placement) -> tuple[float, ...]:
@@ -49,8 +45,7 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     for i, sizes in enumerate(_group_sizes(num_experts, min_slots, len(slots)), start=1):
         for nested in sorted({1, 2, len(sizes) - 1, len(sizes)} & set(range(1, len(sizes) + 1))):
             grouping = Grouping.build(layers, slots, sizes, nested)
-            candidates.append((score(nested_groups(probe, slots, grouping, probe_loads)), i,
-                               grouping))
+            candidates.append((score(nested_groups(probe, slots, grouping)), i, grouping))
 
     # Compare only at the failure counts every candidate could count exactly.
     depth = min(len(s) for s in baselines + [c[0] for c in candidates])
@@ -62,7 +57,7 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     _, _, grouping = max(safe, key=lambda c: (c[0][:depth], c[1] > 0))
     if grouping is None:
         return [spread(r, slots) for r in layers]
-    return [nested_groups(r, slots, grouping, t) for r, t in zip(layers, loads)]
+    return [nested_groups(r, slots, grouping) for r in layers]
 
 
 def _group_sizes(num_experts: int, per_node: int, num_nodes: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ does).
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,30 +64,24 @@ class Grouping:
                    len(group_sizes) if nested is None else nested)
 
 
-def nested_groups(replicas: Sequence[int], slots: Sequence[int], grouping: Grouping,
-                  loads: Sequence[float] | None = None) -> Placement:
+def nested_groups(replicas: Sequence[int], slots: Sequence[int], grouping: Grouping) -> Placement:
     """MRO's construction for one layer: each popularity group nested on its node range.
 
-    Every expert of a nested group has a replica on each node of the group's *core*: the
-    first m nodes of its range, m being the fewest replicas any of the group's experts has.
-    The group's coldest expert lives on the core alone, and every other one contains it, so
-    the group is lost exactly when its core is: where the other replicas go does not change
-    recovery. They go where they even out the load per node instead (``loads``: the
-    layer's expert loads). Groups past ``grouping.nested`` share their ranges round-robin,
-    which is better when a range is too short for the replicas it would have to nest.
+    Within a group, the least popular expert sits on the first r nodes of the range and
+    every more popular one on a longer prefix, so the group fails only when its smallest
+    node set fails. Groups past ``grouping.nested`` share their ranges round-robin, which
+    is better when a range is too short for the replicas it would have to nest. Replicas
+    that do not fit go where they add a new node to the expert, else anywhere free.
     """
     _check(replicas, slots)
     ranges, group_of = grouping.ranges, grouping.group_of
     shared = [node for r in ranges[grouping.nested:] for node in r]
-    core = [min(min((replicas[e] for e in range(len(replicas)) if group_of[e] == g),
-                    default=0), len(r))
-            for g, r in enumerate(ranges[:grouping.nested])]
     placement: Placement = [[] for _ in slots]
     left = list(replicas)
     cursor = 0
     for e in sorted(range(len(replicas)), key=lambda e: (replicas[e], e)):
         if group_of[e] < grouping.nested:
-            targets = ranges[group_of[e]][:core[group_of[e]]]
+            targets = ranges[group_of[e]][:replicas[e]]
         else:  # deal round-robin over the shared ranges, like spread
             targets = [shared[(cursor + i) % len(shared)]
                        for i in range(min(replicas[e], len(shared)))]
@@ -95,8 +90,7 @@ def nested_groups(replicas: Sequence[int], slots: Sequence[int], grouping: Group
             if len(placement[node]) < slots[node]:
                 placement[node].append(e)
                 left[e] -= 1
-    load = loads if loads is not None else [1.0] * len(replicas)
-    _fill_balanced(placement, slots, left, [t / r for t, r in zip(load, replicas)])
+    _place_leftovers(placement, slots, left, grouping)
     return placement
 
 
@@ -147,28 +141,28 @@ def _apportion(weights: Sequence[int], total: int) -> list[int]:
     return parts
 
 
-def _fill_balanced(placement: Placement, slots, left, weight) -> None:
-    """Place the remaining replicas to even out per-node load (Algorithm 1 gives each
-    replica of expert e the same share, ``weight[e]``): heaviest first, in rounds that give
-    every node with room one replica, least loaded node first. A node gets a replica of an
-    expert it already holds only if none of the next few candidates fits better."""
-    load = [sum(weight[e] for e in p) for p in placement]
-    held = [set(p) for p in placement]
-    items = sorted((e for e in range(len(left)) for _ in range(left[e])),
-                   key=lambda e: (-weight[e], e))
-    i = 0
-    while i < len(items):
-        open_nodes = sorted((n for n in range(len(slots)) if len(placement[n]) < slots[n]),
-                            key=lambda n: (load[n], n))
-        assert open_nodes, "every slot must be filled when replicas == slots"
-        for n in open_nodes:
-            if i == len(items):
+def _place_leftovers(placement: Placement, slots, left, grouping: Grouping) -> None:
+    """Put each replica that did not fit its range where it widens its expert's node set."""
+    free = [s - len(p) for s, p in zip(slots, placement)]
+    n = len(slots)
+    for e in sorted((e for e in range(len(left)) if left[e]), key=lambda e: -left[e]):
+        home = grouping.ranges[grouping.group_of[e]]
+        # Prefer extending the nesting: the nodes after the expert's range, in order.
+        for i in [*range(home[-1] + 1, n), *range(0, home[0])]:
+            if not left[e]:
                 break
-            j = next((j for j in range(i, min(i + 8, len(items))) if items[j] not in held[n]),
-                     i)
-            items[i], items[j] = items[j], items[i]
-            e = items[i]
-            placement[n].append(e)
-            held[n].add(e)
-            load[n] += weight[e]
-            i += 1
+            if free[i] and e not in placement[i]:
+                placement[i].append(e)
+                free[i] -= 1
+                left[e] -= 1
+        if left[e]:  # every reachable node holds it: duplicates where room is widest
+            roomiest = [(-free[i], i) for i in range(n) if free[i]]
+            heapq.heapify(roomiest)
+            while left[e]:
+                neg_free, i = heapq.heappop(roomiest)
+                placement[i].append(e)
+                free[i] -= 1
+                left[e] -= 1
+                if free[i]:
+                    heapq.heappush(roomiest, (neg_free + 1, i))
+    assert not any(free), "every slot must be filled when replicas == slots"

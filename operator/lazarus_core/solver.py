@@ -15,10 +15,9 @@ from .topology import NodeSpec, check_nodes, failure_domain_order
 DEFAULT_MAX_FAILURES = 5
 
 
-def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int],
-          loads: Sequence[Sequence[float]] | None = None) -> list[Placement]:
+def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement]:
     if policy == "mro":
-        return mro(layers, slots, loads)
+        return mro(layers, slots)
     if policy == "spread":
         return [spread(r, slots) for r in layers]
     if policy == "compact":
@@ -56,7 +55,7 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
     ordered = failure_domain_order(list(nodes))
     slots = [n.slots for n in ordered]
     replicas = allocate_layers(loads, layers, experts, sum(slots), min_replicas)
-    return ordered, replicas, place(policy, replicas, slots, loads)
+    return ordered, replicas, place(policy, replicas, slots)
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
