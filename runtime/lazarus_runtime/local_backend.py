@@ -204,6 +204,8 @@ class LocalJob:
         self.restores = 0
         self.redone = 0
         self.fault_at: float | None = None
+        # When the coordinator last looked at its workers: a death is "detected" then.
+        self.detected_at = time.monotonic()
         start = time.monotonic()
         try:
             for i in range(self.workers):
@@ -270,7 +272,7 @@ class LocalJob:
         dead = [n for n in self.state.alive if self.procs[n].poll() is not None]
         if dead:
             time.sleep(_SETTLE_S)
-        self._detected_at = time.monotonic()
+        self.detected_at = time.monotonic()
         if dead and self.restart_on_failure:
             self._restart_survivors()
         return core.observe(self.state, self._live(), ())
@@ -391,8 +393,8 @@ class LocalJob:
         now = time.monotonic()
         self.reconfigs.append(Reconfiguration(
             plan.generation, plan.reason, len(directive.exchange_ranks()), migrated, restored,
-            fault_at=self.fault_at or getattr(self, "_detected_at", now),
-            detected_at=getattr(self, "_detected_at", now), published_at=now))
+            fault_at=self.fault_at or self.detected_at,
+            detected_at=self.detected_at, published_at=now))
         self.fault_at = None
         self.directive = directive
         if commit is not None:  # a boundary change: announced by the commit, then switched
