@@ -11,6 +11,7 @@ rollback throws away, and the partial step a failure interrupts, move from compu
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ class _Busy:
     on_done: Callable[[], None]
 
 
-class Job:
+class Job(ABC):
     """What every strategy shares: the clock, the ledger, checkpoints and rollbacks.
 
     A strategy sets ``members`` (the nodes training now; empty means waiting) and implements
@@ -71,14 +72,17 @@ class Job:
 
     # --- what a strategy provides ------------------------------------------------------
 
+    @abstractmethod
     def start(self, nodes: list[NodeSpec]) -> None:
-        raise NotImplementedError
+        """Take the trace's first nodes."""
 
+    @abstractmethod
     def react(self, lost: list[str], joined: list[str], noticed: list[str]) -> None:
-        raise NotImplementedError
+        """Respond to the trace's changes at the current time."""
 
+    @abstractmethod
     def step_seconds(self) -> float:
-        raise NotImplementedError
+        """The time one training step takes on the current members."""
 
     def steps_to_own_boundary(self) -> int | None:
         """Steps until the strategy wants control at a step boundary (0 = now), or None."""
