@@ -179,8 +179,8 @@ def main() -> None:
             else:
                 row += f" | {'-':>22} | {'-':>14}"
         print(row)
-    print(f"\npaper, reported: Table 2 (reconfiguration 18-34 s per row, 20-40 s in the text; "
-          f"10-20 s NCCL timeouts, 5-15 s group rebuild, transfers 2.3-7.8 s, plan < 0.1 s).")
+    print("\npaper, reported: Table 2 (reconfiguration 18-34 s per row, 20-40 s in the text; "
+          "10-20 s NCCL timeouts, 5-15 s group rebuild, transfers 2.3-7.8 s, plan < 0.1 s).")
     if gloo:
         print(f"plain gloo: seconds from the SIGKILL until the first and until every one of "
               f"the {WORKERS - 1} survivors' all-reduce failed (timeout {args.gloo_timeout:g} s).")

@@ -93,7 +93,7 @@ def run(args) -> int:
     if spec.checkpoint:
         # A fresh directory per run: a restore must never pick up another run's weights.
         checkpoint_dir = Path(spec.checkpoint.path) / time.strftime(f"run-%Y%m%d-%H%M%S-{name}")
-    console = _Console(workers)
+    console = _Console()
     job = LocalJob(name, spec, args.manifest.resolve(), workers, args.steps, kills, joins,
                    checkpoint_dir, args.seed, on_event=console.event,
                    on_progress=console.progress)
@@ -114,7 +114,7 @@ def run(args) -> int:
 class _Console:
     """A live progress line on a terminal, plain lines otherwise; events on their own line."""
 
-    def __init__(self, workers: int):
+    def __init__(self):
         self.tty = sys.stderr.isatty()
         self.start = time.monotonic()
         self.last_line = ""

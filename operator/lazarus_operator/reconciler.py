@@ -233,7 +233,7 @@ class Reconciler:
 
     def _apply(self, body: dict, spec: JobSpec, outcome: core.Outcome, obs: Observation,
                started: float, timing: str) -> None:
-        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        namespace = body["metadata"]["namespace"]
         state = outcome.state
         restores = {d.generation: d for d in outcome.decisions
                     if isinstance(d, core.RestoreCheckpoint)}

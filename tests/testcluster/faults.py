@@ -118,19 +118,26 @@ def make_not_ready(core: client.CoreV1Api, name: str) -> None:
     """The node's kubelet reports NotReady (kwok), or stops (kind: the node controller marks it
     NotReady or Unknown after its grace period). The node lifecycle controller then taints it
     node.kubernetes.io/not-ready or unreachable, as on a real cluster."""
+    _set_kubelet(core, name, ready=False)
+
+
+def _set_kubelet(core: client.CoreV1Api, name: str, ready: bool) -> None:
+    """Stop or start the node's kubelet: systemd in a kind node, kwok's NotReady stage
+    otherwise (a JSON merge patch removes a key given as None)."""
     node = core.read_node(name)
     container = _kind_container(node)
     if container:
-        subprocess.run(
-            ["docker", "exec", container, "systemctl", "stop", "kubelet"], check=True, capture_output=True
-        )
+        subprocess.run(["docker", "exec", container, "systemctl",
+                        "start" if ready else "stop", "kubelet"],
+                       check=True, capture_output=True)
     elif _is_kwok(node):
         core.patch_node(name, {"metadata": {
-            "labels": {KWOK_NOT_READY_LABEL: "true"},
-            "annotations": KWOK_NOT_READY_ANNOTATIONS,
+            "labels": {KWOK_NOT_READY_LABEL: None if ready else "true"},
+            "annotations": (dict.fromkeys(KWOK_NOT_READY_ANNOTATIONS) if ready
+                            else KWOK_NOT_READY_ANNOTATIONS),
         }})
     else:
-        raise _unsupported(node, "make NotReady")
+        raise _unsupported(node, "heal" if ready else "make NotReady")
 
 
 def evict_pod(core: client.CoreV1Api, namespace: str, name: str) -> None:
@@ -154,20 +161,7 @@ def zone_down(core: client.CoreV1Api, zone: str, *, delete: bool = False) -> lis
 def heal_node(core: client.CoreV1Api, name: str) -> None:
     """Undo ``make_not_ready`` and ``spot_notice``: the kubelet reports Ready again, the notice
     taints go and the node is uncordoned. (Deleted nodes come back with hack/cluster.sh up.)"""
-    node = core.read_node(name)
-    container = _kind_container(node)
-    if container:
-        subprocess.run(
-            ["docker", "exec", container, "systemctl", "start", "kubelet"], check=True, capture_output=True
-        )
-    elif _is_kwok(node):
-        # A JSON merge patch removes a key given as None.
-        core.patch_node(name, {"metadata": {
-            "labels": {KWOK_NOT_READY_LABEL: None},
-            "annotations": dict.fromkeys(KWOK_NOT_READY_ANNOTATIONS),
-        }})
-    else:
-        raise _unsupported(node, "heal")
+    _set_kubelet(core, name, ready=True)
     notice_keys = {notice.taint_key for notice in SPOT_NOTICES.values()}
     _update_taints(core, name, lambda taints: [t for t in taints if t.key not in notice_keys], unschedulable=False)
 

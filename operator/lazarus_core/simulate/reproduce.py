@@ -291,7 +291,7 @@ def _report(mtbf, spot, ours, spot_notice, figures) -> str:
         "## Reconfiguration cost (paper Table 2)",
         "",
         f"Our solver re-planning a rebalanced plan after losing k random nodes ({RECONFIG_DRAWS}",
-        f"draws; means over the recoverable ones), timed with the cost model",
+        "draws; means over the recoverable ones), timed with the cost model",
         f"({costs.detect_s:g} s detection + {costs.rebuild_s:g} s rebuild + the busiest node's",
         f"transfers at {costs.link_gb_per_s:g} GB/s).",
         "The paper's rows are single events at steps 200 and 4000 of real runs.",
@@ -305,7 +305,7 @@ def _report(mtbf, spot, ours, spot_notice, figures) -> str:
         "",
         "## Beyond the paper: reacting sooner",
         "",
-        f"The same runs with 120 s spot notices used to migrate off a node before it goes, and",
+        "The same runs with 120 s spot notices used to migrate off a node before it goes, and",
         f"with our costs: {OUR_COSTS['detect_s']:g} s detection and {OUR_COSTS['rebuild_s']:g} s "
         f"rebuild instead of {costs.detect_s:g} s and {costs.rebuild_s:g} s,",
         "because the controller sees a lost node instead of waiting for a collective timeout and",
