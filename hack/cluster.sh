@@ -31,18 +31,22 @@ kubectl=("$KUBE_BIN_DIR/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s
 
 healthy() { [ -f "$kubeconfig" ] && "${kubectl[@]}" get --raw /readyz >/dev/null 2>&1; }
 
-# A cluster made before a pin in control-plane-versions.sh changed runs the old binaries.
+# A cluster made before a pin in control-plane-versions.sh changed runs the old binaries; one
+# made before the heartbeat factor below, 200 s node leases.
 current() {
   local dir
   for dir in "$KUBE_BIN_DIR" "$ETCD_BIN_DIR" "$KWOK_BIN_DIR"; do
     grep -qF "Binary: $dir/" "$cluster_dir/kwok.yaml" 2>/dev/null || return 1
   done
+  grep -qx "  nodeLeaseDurationSeconds: 40" "$cluster_dir/kwok.yaml"
 }
 
 create() {
   # --kubeconfig "" keeps kwokctl away from ~/.kube/config; ours is $kubeconfig.
-  # kwokctl slows the node lifecycle controller down (25 s) for clusters of thousands of
-  # nodes; ours are few, so it gets back Kubernetes' default and reacts to NotReady in seconds.
+  # kwokctl slows every heartbeat down five-fold for clusters of thousands of nodes (200 s
+  # node leases, a node lifecycle controller that looks every 25 s); ours are few, so they
+  # get Kubernetes' defaults back: NotReady is seen in seconds, and a restarted kwok takes
+  # over the nodes' leases within 40 s.
   "${kwokctl[@]}" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$KUBE_BIN_DIR/kube-apiserver" \
     --kube-controller-manager-binary "$KUBE_BIN_DIR/kube-controller-manager" \
@@ -51,8 +55,12 @@ create() {
     --kwok-controller-binary "$KWOK_BIN_DIR/kwok" \
     --kube-authorization --kube-admission \
     --config "$LAZARUS_ROOT/hack/kwok-stages.yaml" \
-    --extra-args kube-controller-manager=node-monitor-period=5s \
+    --heartbeat-factor 1 \
     --kubeconfig "" --wait 2m --timeout 3m 9>&-
+}
+
+start_cluster() {
+  "${kwokctl[@]}" start cluster --name "$name" --wait "$1" --timeout "$1" 9>&- && healthy
 }
 
 # Several test sessions (several clones) share one cluster; one of them creates it at a time.
@@ -67,7 +75,9 @@ lock() {
 up() {
   "$LAZARUS_ROOT/hack/build-control-plane.sh"
   lock
-  local start=$SECONDS
+  # A cluster (re)started here has a new kwok, which must hold every node's lease before it
+  # simulates the node; a running one is used as it is.
+  local start=$SECONDS since=0
   if [ -d "$cluster_dir" ] && ! current; then
     log "the cluster $name runs other versions than control-plane-versions.sh pins; recreating it"
     "${kwokctl[@]}" delete cluster --name "$name"
@@ -76,18 +86,23 @@ up() {
     log "reusing the running cluster $name"
   elif [ -d "$cluster_dir" ]; then
     log "starting the stopped cluster $name"
-    if ! "${kwokctl[@]}" start cluster --name "$name" --wait 2m --timeout 2m 9>&- || ! healthy; then
+    since=$(date +%s)
+    # After an unclean stop (the machine went down, the processes were killed), the first
+    # start sometimes never serves; a second one, after a stop that clears what is left of the
+    # first, does, and costs less than recreating the cluster.
+    if ! start_cluster 45s && ! { "${kwokctl[@]}" stop cluster --name "$name"; start_cluster 2m; }; then
       log "it did not come back; recreating it"
       "${kwokctl[@]}" delete cluster --name "$name"
       create
     fi
   else
     log "creating the cluster $name (kwokctl --runtime binary, Kubernetes v$KUBE_VERSION)"
+    since=$(date +%s)
     create
   fi
   local venv
   venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
-  PYTHONPATH="$LAZARUS_ROOT/tests" "$venv/bin/python" -m testcluster.nodepools apply --kubeconfig "$kubeconfig"
+  PYTHONPATH="$LAZARUS_ROOT/tests" "$venv/bin/python" -m testcluster.nodepools apply --kubeconfig "$kubeconfig" --since "$since"
   "${kubectl[@]}" wait node --selector lazarus.dev/pool --for condition=Ready --timeout 60s >/dev/null \
     || die "the simulated nodes did not become Ready in 60 s; see the logs in $cluster_dir/logs"
   log "cluster $name ready in $((SECONDS - start)) s; export KUBECONFIG=$kubeconfig"
@@ -99,6 +114,9 @@ case "${1:-}" in
   stop)
     lock
     if [ -d "$cluster_dir" ]; then
+      # kwok holds a Lease per node; the next kwok (a new identity) would wait for them to
+      # expire before it simulates those nodes again. Released now, they are taken at once.
+      healthy && "${kubectl[@]}" delete lease --namespace kube-node-lease --all >/dev/null
       "${kwokctl[@]}" stop cluster --name "$name"
       log "cluster $name stopped"
     fi

@@ -207,12 +207,47 @@ def advertise_extended_resources(core, node_pools: NodePools) -> list[str]:
     return patched
 
 
+def take_over_node_leases(coordination, names: list[str], since: float,
+                          timeout_s: float = 120.0) -> None:
+    """Make the kwok started at ``since`` (epoch s) simulate the nodes in ``names`` now.
+
+    kwok simulates a node only while it holds the node's Lease, and a restarted kwok has a
+    new identity: it would wait for the leases of its previous run to expire (40 s) before
+    it takes them over, and pods bound to those nodes would not start until then. Leases not
+    renewed since ``since`` belong to that dead run, so they are deleted; the new kwok
+    creates its own at its next try (within 10 s). Returns once it holds them all."""
+    import time
+
+    from kubernetes.client.exceptions import ApiException
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leases = {lease.metadata.name: lease for lease in
+                  coordination.list_namespaced_lease("kube-node-lease").items}
+        stale = [n for n in names if n not in leases or leases[n].spec.renew_time is None
+                 or leases[n].spec.renew_time.timestamp() < since]
+        if not stale:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kwok did not take over the leases of {', '.join(stale)} "
+                               f"within {timeout_s:.0f} s")
+        for name in (n for n in stale if n in leases):
+            try:
+                coordination.delete_namespaced_lease(name, "kube-node-lease")
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        time.sleep(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testcluster.nodepools", description=__doc__)
     parser.add_argument("--pools", type=Path, default=DEFAULT_POOLS_FILE, help="node pool description")
     commands = parser.add_subparsers(dest="command", required=True)
     apply = commands.add_parser("apply", help="create the simulated nodes that are missing")
     apply.add_argument("--kubeconfig", required=True)
+    apply.add_argument("--since", type=float, default=0.0,
+                       help="when kwok was (re)started: wait until it holds every pool node's lease")
     kind = commands.add_parser("kind-config", help="print a kind cluster config (JSON, valid YAML)")
     kind.add_argument("--name", required=True)
     advertise = commands.add_parser("advertise-gpus", help="add pool GPUs to kind's node status")
@@ -232,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         nodes = build_nodes(node_pools)
         created = apply_nodes(core, nodes)
         print(f"{len(nodes)} simulated nodes ({len(created)} created)", file=sys.stderr)
+        from testcluster.kube import api_client
+        from kubernetes import client
+
+        coordination = client.CoordinationV1Api(api_client(args.kubeconfig))
+        take_over_node_leases(coordination, [n["metadata"]["name"] for n in nodes], args.since)
     else:
         patched = advertise_extended_resources(core, node_pools)
         print(f"advertised extended resources on {len(patched)} nodes", file=sys.stderr)
