@@ -70,7 +70,7 @@ def manifest(tmp: Path, name: str, **spec) -> Path:
 def run_job(path: Path, workers: int, steps: int, **options) -> RunResult:
     """Run the job, printing its events under its name."""
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
-    return LocalJob(name, spec, path, workers, steps, checkpoint_dir=path.parent / "ckpt" / name,
+    return LocalJob(name, spec, workers, steps, checkpoint_dir=path.parent / "ckpt" / name,
                     on_event=lambda line: print(f"  {name}: {line}", flush=True),
                     **options).run()
 

@@ -94,7 +94,7 @@ def run(args) -> int:
         # A fresh directory per run: a restore must never pick up another run's weights.
         checkpoint_dir = Path(spec.checkpoint.path) / time.strftime(f"run-%Y%m%d-%H%M%S-{name}")
     console = _Console()
-    job = LocalJob(name, spec, args.manifest.resolve(), workers, args.steps, kills, joins,
+    job = LocalJob(name, spec, workers, args.steps, kills, joins,
                    checkpoint_dir, args.seed, on_event=console.event,
                    on_progress=console.progress)
     console.event(f"job {name}: {workers} workers, {args.steps} steps, "

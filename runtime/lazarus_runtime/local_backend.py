@@ -14,6 +14,7 @@ job goes on from the last checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import signal
@@ -21,19 +22,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from lazarus_core import controller as core
 from lazarus_core.job_spec import JobSpec
-from lazarus_core.migration import plan_transfers
-from lazarus_core.plan import Plan
 from lazarus_core.topology import NodeSpec
 
-from .data import StepBatches
 from .config import RuntimeConfig
-from .job_channel import Directive, JobChannel
+from .coordination import PreparedStep, StepCoordinator
+from .data import StepBatches
+from .job_channel import JobChannel
 
 # Deaths within this window after the first are handled as one failure (one SIGKILL of
 # two workers reaches the parent as two exits a few milliseconds apart).
@@ -52,43 +52,6 @@ class Fault:
     count: int = 0
     names: tuple[str, ...] = ()
     mid_reconfiguration: bool = False
-
-
-@dataclass
-class Reconfiguration:
-    generation: int
-    reason: str
-    members: int             # ranks that report timings for this generation
-    experts_migrated: int
-    restored_step: int | None
-    fault_at: float          # when the fault happened (kill) or the change was decided
-    detected_at: float
-    published_at: float
-    adopted_at: float | None = None
-    resumed_at: float | None = None  # first step committed under this generation
-    worker_timings: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def summary(self) -> dict:
-        end = self.resumed_at or self.adopted_at or self.published_at
-        rebuild = max((t.get("rebuild_s", 0.0) for t in self.worker_timings.values()),
-                      default=0.0)
-        migrate = max((t.get("migrate_s", 0.0) for t in self.worker_timings.values()),
-                      default=0.0)
-        adopted = self.adopted_at or self.published_at
-        return {
-            "generation": self.generation,
-            "reason": self.reason,
-            "seconds": round(end - self.fault_at, 4),
-            "experts_migrated": self.experts_migrated,
-            "restored_step": self.restored_step,
-            "breakdown": {
-                "detection_s": round(self.detected_at - self.fault_at, 4),
-                "replanning_s": round(self.published_at - self.detected_at, 4),
-                "communication_rebuild_s": round(rebuild, 4),
-                "migration_s": round(migrate, 4),
-                "redone_step_s": round(max(0.0, end - adopted), 4),
-            },
-        }
 
 
 @dataclass
@@ -112,7 +75,7 @@ class RunResult:
 
 
 class LocalJob:
-    def __init__(self, name: str, spec: JobSpec, manifest: Path, workers: int, steps: int,
+    def __init__(self, name: str, spec: JobSpec, workers: int, steps: int,
                  kills: list[Fault] = (), joins: list[tuple[int, int]] = (),
                  checkpoint_dir: Path | None = None, seed: int = 0,
                  on_event: Callable[[str], None] = lambda line: None,
@@ -122,7 +85,6 @@ class LocalJob:
                  restart_on_failure: bool = False, restart_wait_s: float = 0.0):
         self.name = name
         self.spec = dataclasses.replace(spec, replicas=workers)
-        self.manifest = Path(manifest)
         self.workers = workers
         self.steps = steps
         self.kills = sorted(kills, key=lambda f: f.step)
@@ -150,10 +112,14 @@ class LocalJob:
     # --- processes -----------------------------------------------------------------------
 
     def _spawn(self, name: str) -> None:
+        # The environment a worker pod gets from the operator (lazarus_operator.builders).
         env = dict(os.environ, **self.worker_env, LAZARUS_COORDINATOR=f"127.0.0.1:{self.port}",
-                   LAZARUS_NODE=name, LAZARUS_JOB=str(self.manifest))
-        if self.checkpoint_dir is not None:
-            env["LAZARUS_CHECKPOINT_DIR"] = str(self.checkpoint_dir)
+                   LAZARUS_NODE_NAME=name,
+                   LAZARUS_RUNTIME=json.dumps(dict(self.spec.runtime), sort_keys=True))
+        checkpoint = self.spec.checkpoint
+        if self.checkpoint_dir is not None or checkpoint is not None:
+            env["LAZARUS_CHECKPOINT_PATH"] = str(self.checkpoint_dir or checkpoint.path)
+            env["LAZARUS_CHECKPOINT_EVERY_STEPS"] = str(checkpoint.every_steps if checkpoint else 0)
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "lazarus_runtime.worker"], env=env,
             stdin=subprocess.DEVNULL)
@@ -171,7 +137,7 @@ class LocalJob:
         self.fault_at = time.monotonic()
         self.failures += len(names)
         self.on_event(f"killed {', '.join(names)} (SIGKILL) "
-                      + when.format(self.committed + 1))
+                      + when.format(self.steps_done.committed + 1))
 
     def _restart_survivors(self) -> None:
         """The checkpoint-restart baseline: stop every survivor and start as many fresh
@@ -198,16 +164,10 @@ class LocalJob:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.port = self.store.port
         self.chan = JobChannel(self.store)
+        self.steps_done = StepCoordinator(self.chan, self.on_event)
         self.procs: dict[str, subprocess.Popen] = {}
         self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
-        self.adopted: Plan | None = None
-        self.directive: Directive | None = None
-        self.committed = 0
-        self.records: dict[int, tuple[list[int], float]] = {}
-        self.reconfigs: list[Reconfiguration] = []
         self.failures = 0
-        self.restores = 0
-        self.redone = 0
         self.fault_at: float | None = None
         # When the coordinator last looked at its workers: a death is "detected" then.
         self.detected_at = time.monotonic()
@@ -229,7 +189,7 @@ class LocalJob:
             self.next_kill_at = self.training_from + (self.kill_every_s or 0.0)
             self._apply(core.handle_all(self.state, core.observe(self.state, self._live(), ()),
                                         time.time()))
-            while self.committed < self.steps:
+            while self.steps_done.committed < self.steps:
                 if time.monotonic() - start > self.timeout_s:
                     raise TimeoutError(f"the job did not finish {self.steps} steps in "
                                        f"{self.timeout_s:.0f} s")
@@ -237,7 +197,7 @@ class LocalJob:
                         and time.monotonic() - self.training_from >= 2 * self.duration_s):
                     # No new progress for a whole extra duration (a baseline that restarts
                     # more often than it trains): stop where it stands.
-                    self.steps = max(self.records, default=0)
+                    self.steps = max(self.steps_done.records, default=0)
                     break
                 self._tick()
                 self._inject_timed_fault()
@@ -263,21 +223,9 @@ class LocalJob:
         events = self._membership_events()
         if events:
             self._apply(core.handle_all(self.state, events, now))
-        d = self.directive
-        if d is None:
-            return
-        g = d.generation
-        if self.adopted is None or self.adopted.generation != g:
-            members = len(d.exchange_ranks())
-            if self.chan.fetched_count(g) >= members:
-                self.chan.adopt(g)
-                self.adopted = d.plan
-                self._last_reconfig(g, lambda r: setattr(r, "adopted_at", time.monotonic()))
-            return
-        step = self.committed + 1
-        if self.chan.prepared(g, step) < d.plan.world_size:
-            return
-        self._complete(d, step)
+        prepared = self.steps_done.poll()
+        if prepared is not None:
+            self._complete(prepared)
 
     def _membership_events(self) -> list:
         dead = [n for n in self.state.alive if self.procs[n].poll() is not None]
@@ -288,33 +236,24 @@ class LocalJob:
             self._restart_survivors()
         return core.observe(self.state, self._live(), ())
 
-    def _complete(self, d: Directive, step: int) -> None:
-        """Every rank prepared ``step``: record it, let the controller see it, commit it."""
-        g = d.generation
-        reports = self.chan.reports(g, step, d.plan.world_size)
-        ids = [i for r in reports for i in r.sample_ids]
-        if step in self.records:
-            self.redone += 1
-        self.records[step] = (ids, reports[0].loss)
-        if (self.duration_s is not None and step == max(self.records)
+    def _complete(self, prepared: PreparedStep) -> None:
+        """Every rank prepared the step: let the controller see it, then commit it."""
+        step, reports = prepared.step, prepared.reports
+        if (self.duration_s is not None and step == max(self.steps_done.records)
                 and time.monotonic() - self.training_from >= self.duration_s):
             self.steps = step  # out of time: this step is the last
-        progress = core.Progress(step=step, generation=g, loads=reports[0].loads,
-                                 checkpoint_step=self.chan.checkpoint())
-        self._last_reconfig(g, lambda r: r.resumed_at or setattr(r, "resumed_at",
-                                                                 time.monotonic()))
-        events = [progress] + self._scheduled_changes(step)
+        progress = core.Progress(step=step, generation=prepared.generation,
+                                 loads=reports[0].loads, checkpoint_step=self.chan.checkpoint())
         if step == self.steps:
-            self.chan.stop()
-            self.chan.commit(g, step, g)
-            self.committed = step
+            self.steps_done.commit(prepared, last=True)
             return
-        out = core.handle_all(self.state, events, time.time())
-        boundary = [x for x in out.decisions if isinstance(x, core.PublishPlan)]
-        self.committed = step
-        self._apply(out, commit=(g, step) if boundary else None)
-        if not boundary:
-            self.chan.commit(g, step, g)
+        out = core.handle_all(self.state, [progress] + self._scheduled_changes(step),
+                              time.time())
+        if any(isinstance(x, core.PublishPlan) for x in out.decisions):
+            self._apply(out, boundary=prepared)
+        else:
+            self._apply(out)
+            self.steps_done.commit(prepared)
         self.on_progress(self._status(reports[0].loss))
         self._inject_faults(step + 1)
 
@@ -340,7 +279,7 @@ class LocalJob:
             self._kill(sorted(names))
 
     def _inject_timed_fault(self) -> None:
-        if (self.kill_every_s is None or self.directive is None
+        if (self.kill_every_s is None or self.steps_done.directive is None
                 or time.monotonic() < self.next_kill_at):
             return
         self.next_kill_at += self.kill_every_s
@@ -349,113 +288,62 @@ class LocalJob:
             self._kill([self.rng.choice(in_plan)], when="during step {}")
 
     def _plan_workers_alive(self) -> list[str]:
-        return [n.name for n in self.directive.plan.nodes if self.procs[n.name].poll() is None]
+        plan = self.steps_done.directive.plan
+        return [n.name for n in plan.nodes if self.procs[n.name].poll() is None]
 
     # --- decisions -----------------------------------------------------------------------
 
-    def _apply(self, out: core.Outcome, commit: tuple[int, int] | None = None) -> None:
+    def _apply(self, out: core.Outcome, boundary: PreparedStep | None = None) -> None:
         self.state = out.state
         for decision in out.decisions:
             if isinstance(decision, core.PublishPlan):
-                self._publish(decision, commit)
+                self._publish(decision, boundary)
             elif isinstance(decision, core.ReleaseWorkers):
                 for n in decision.names:
                     if self.procs[n].poll() is None:
                         self.procs[n].terminate()
             elif isinstance(decision, core.Wait):
-                if self.directive is not None and all(
+                if self.steps_done.directive is not None and all(
                         n in self.admitted for _, n in self.waiting_joiners):
                     # Locally, capacity only comes back through --join: waiting is hopeless.
                     raise RuntimeError(f"the job cannot go on: {decision.message}; start "
                                        f"more workers, or add --join")
                 self.on_event(f"waiting: {decision.message}")
 
-    def _publish(self, decision: core.PublishPlan, commit: tuple[int, int] | None) -> None:
-        plan = decision.plan
-        held = self.adopted
+    def _publish(self, decision: core.PublishPlan, boundary: PreparedStep | None) -> None:
         alive = {n for n, p in self.procs.items() if p.poll() is None}
-        start_step = self.committed + 1
-        if held is None:
-            directive = Directive(plan, start_step=start_step)
-            migrated, restored = 0, None
-        else:
-            # Transfers from what the workers really hold: the last adopted plan (a plan
-            # published but interrupted before adoption never took effect).
-            sources = {n.name for n in held.nodes} & alive
-            migration = plan_transfers(held, plan, sources)
-            if migration.lost:
-                restored = self.chan.checkpoint() or 0
-                directive = Directive(plan, start_step=restored + 1, restore_step=restored)
-                self.restores += 1
-                self.on_event(f"{len(migration.lost)} (layer, expert) pairs lost every replica: "
-                              + (f"restoring the checkpoint of step {restored}" if restored
-                                 else "no checkpoint yet, restarting from step 0"))
-                self.committed = restored
-                migrated = 0
-            else:
-                plan_names = {n.name for n in plan.nodes}
-                joiners = tuple(sorted(plan_names - sources))
-                senders = {t.source for t in migration.transfers}
-                directive = Directive(
-                    plan, start_step=start_step, transfers=migration.transfers,
-                    draining=tuple(sorted(senders - plan_names)), joiners=joiners,
-                    dense_source=min(sources & plan_names) if joiners else None)
-                migrated, restored = migration.experts_migrated, None
-        now = time.monotonic()
-        self.reconfigs.append(Reconfiguration(
-            plan.generation, plan.reason, len(directive.exchange_ranks()), migrated, restored,
-            fault_at=self.fault_at or self.detected_at,
-            detected_at=self.detected_at, published_at=now))
+        directive = self.steps_done.publish(decision.plan, alive, boundary=boundary,
+                                            fault_at=self.fault_at, detected_at=self.detected_at)
         self.fault_at = None
-        self.directive = directive
-        if commit is not None:  # a boundary change: announced by the commit, then switched
-            self.chan.publish(directive, switch=False)
-            self.chan.commit(*commit, plan.generation)
-            self.chan.switch_to(plan.generation)
-        else:
-            self.chan.publish(directive)
-        self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
-                      f"workers, {migrated} expert replicas migrated"
-                      + (f", restored step {restored}" if restored is not None else ""))
         for step in sorted({f.step for f in self.kills if f.mid_reconfiguration
                             and f.step <= directive.start_step}):
             self._inject_faults(step, mid_reconfiguration=True)
 
-    def _last_reconfig(self, generation: int, update) -> None:
-        for r in reversed(self.reconfigs):
-            if r.generation == generation:
-                update(r)
-                return
-
     # --- reporting -----------------------------------------------------------------------
 
     def _status(self, loss: float) -> dict:
-        plan = self.directive.plan
-        return {"step": self.committed, "steps": self.steps, "loss": loss,
+        plan = self.steps_done.directive.plan
+        return {"step": self.steps_done.committed, "steps": self.steps, "loss": loss,
                 "generation": plan.generation, "workers": plan.world_size,
                 "lowest_replicas": core.lowest_replicas(self.state)}
 
     def _result(self, wall: float, training: float) -> RunResult:
-        for r in self.reconfigs:
-            r.worker_timings = {
-                str(rank): t for rank in range(r.members)
-                if (t := self.chan.timings(r.generation, rank)) is not None}
+        done = self.steps_done
         lost = duplicated = 0
         for step in range(1, self.steps + 1):
-            ids, _ = self.records.get(step, ([], 0.0))
+            ids, _ = done.records.get(step, ([], 0.0))
             expected = set(self.batches.global_sample_ids(step).tolist())
             lost += len(expected - set(ids))
             duplicated += len(ids) - len(set(ids)) + len(set(ids) - expected)
-        losses = [self.records[s][1] for s in sorted(self.records)]
+        losses = [done.records[s][1] for s in sorted(done.records)]
         return RunResult(
-            steps_completed=len(self.records), failures=self.failures,
-            reconfigurations=[r.summary() for r in self.reconfigs if r.generation > 1],
-            checkpoint_restores=self.restores, samples_lost=lost,
-            samples_duplicated=duplicated, steps_redone=self.redone, losses=losses,
-            workers=self.directive.plan.world_size if self.directive else 0,
-            generation=self.directive.generation if self.directive else 0,
-            wall_seconds=round(wall, 3), training_seconds=round(training, 3),
-            tokens_per_second=round(len(self.records) * self.tokens_per_step / wall, 1))
+            steps_completed=len(done.records), failures=self.failures,
+            reconfigurations=done.summaries(), checkpoint_restores=done.restores,
+            samples_lost=lost, samples_duplicated=duplicated, steps_redone=done.redone,
+            losses=losses, workers=done.directive.plan.world_size if done.directive else 0,
+            generation=done.generation, wall_seconds=round(wall, 3),
+            training_seconds=round(training, 3),
+            tokens_per_second=round(len(done.records) * self.tokens_per_step / wall, 1))
 
     def _shutdown(self) -> None:
         if hasattr(self, "chan"):

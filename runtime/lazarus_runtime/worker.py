@@ -12,6 +12,7 @@ included, so a dead or frozen peer never hangs a survivor.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -21,8 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
-from lazarus_core.job_spec import parse_manifest
 
 from . import checkpoint
 from .collectives import Collectives, CollectiveInterrupted, CollectiveTimeout
@@ -261,32 +260,31 @@ class Worker:
 
 
 def main() -> int:
-    """Environment: LAZARUS_COORDINATOR (host:port of the coordinator's store),
-    LAZARUS_NODE (this worker's node name), LAZARUS_JOB (the LazarusJob manifest file),
-    optionally LAZARUS_CHECKPOINT_DIR (overrides spec.checkpoint.path)."""
+    """Environment, as the operator's worker pods (and the local backend) set it:
+    LAZARUS_COORDINATOR (host:port of the coordinator's store), LAZARUS_NODE_NAME (the node
+    this worker runs on: plans name nodes), LAZARUS_RUNTIME (``spec.runtime`` as JSON),
+    optionally LAZARUS_CHECKPOINT_PATH and LAZARUS_CHECKPOINT_EVERY_STEPS."""
     logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(int(os.environ.get("LAZARUS_THREADS", "1")))
-    missing = [v for v in ("LAZARUS_COORDINATOR", "LAZARUS_NODE", "LAZARUS_JOB")
+    missing = [v for v in ("LAZARUS_COORDINATOR", "LAZARUS_NODE_NAME", "LAZARUS_RUNTIME")
                if not os.environ.get(v)]
     if missing:
         print(f"lazarus worker: error: {', '.join(missing)} not set; a worker is started by "
-              f"its coordinator (`lazarus run JOB.yaml --local` starts both)", file=sys.stderr)
+              f"its coordinator (`lazarus run JOB.yaml --local` starts both) or by the "
+              f"operator", file=sys.stderr)
         return 2
     host, port = os.environ["LAZARUS_COORDINATOR"].rsplit(":", 1)
-    node = os.environ["LAZARUS_NODE"]
-    _, spec = parse_manifest(yaml.safe_load(Path(os.environ["LAZARUS_JOB"]).read_text()))
-    cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
-    checkpoint_dir = os.environ.get("LAZARUS_CHECKPOINT_DIR") or (
-        spec.checkpoint.path if spec.checkpoint else None)
+    cfg = RuntimeConfig.from_manifest(json.loads(os.environ["LAZARUS_RUNTIME"]))
+    checkpoint_dir = os.environ.get("LAZARUS_CHECKPOINT_PATH")
     settings = WorkerSettings(
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-        checkpoint_every=spec.checkpoint.every_steps if spec.checkpoint else 0,
+        checkpoint_every=int(os.environ.get("LAZARUS_CHECKPOINT_EVERY_STEPS") or 0),
         collective_timeout_s=float(os.environ.get("LAZARUS_COLLECTIVE_TIMEOUT_S", "60")),
     )
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=datetime.timedelta(seconds=60))
-    return Worker(store, node, cfg, settings).run()
+    return Worker(store, os.environ["LAZARUS_NODE_NAME"], cfg, settings).run()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def run(path: Path, workers: int, kills=(), joins=(), steps: int = STEPS,
         events: list | None = None, **options) -> RunResult:
     """``options``: further LocalJob arguments (restart_on_failure, ...)."""
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
-    job = LocalJob(name, spec, path, workers, steps, list(kills), list(joins),
+    job = LocalJob(name, spec, workers, steps, list(kills), list(joins),
                    checkpoint_dir=path.parent / "ckpt" / name,
                    on_event=(events.append if events is not None else lambda line: None),
                    timeout_s=240, **options)

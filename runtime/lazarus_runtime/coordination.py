@@ -1,0 +1,184 @@
+"""The coordinator's side of the job channel, whatever runs the workers.
+
+A ``StepCoordinator`` turns plans into directives and drives the workers through them: it
+measures expert transfers against the layout the workers really hold (the last adopted
+plan), falls back to the checkpoint when some expert lost every replica, confirms adoption
+once every member fetched its state, and commits each step that every rank prepared. The
+local backend feeds it plans from the controller core it runs itself; on Kubernetes the
+coordinator pod feeds it the plans the operator publishes. Both record the same timings.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lazarus_core.migration import plan_transfers
+from lazarus_core.plan import Plan
+
+from .job_channel import Directive, JobChannel, StepReport
+
+
+@dataclass
+class Reconfiguration:
+    generation: int
+    reason: str
+    members: int             # ranks that report timings for this generation
+    experts_migrated: int
+    restored_step: int | None
+    fault_at: float          # when the fault happened (kill) or the change was decided
+    detected_at: float
+    published_at: float
+    adopted_at: float | None = None
+    resumed_at: float | None = None  # first step committed under this generation
+    worker_timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        end = self.resumed_at or self.adopted_at or self.published_at
+        rebuild = max((t.get("rebuild_s", 0.0) for t in self.worker_timings.values()),
+                      default=0.0)
+        migrate = max((t.get("migrate_s", 0.0) for t in self.worker_timings.values()),
+                      default=0.0)
+        adopted = self.adopted_at or self.published_at
+        return {
+            "generation": self.generation,
+            "reason": self.reason,
+            "seconds": round(end - self.fault_at, 4),
+            "experts_migrated": self.experts_migrated,
+            "restored_step": self.restored_step,
+            "breakdown": {
+                "detection_s": round(self.detected_at - self.fault_at, 4),
+                "replanning_s": round(self.published_at - self.detected_at, 4),
+                "communication_rebuild_s": round(rebuild, 4),
+                "migration_s": round(migrate, 4),
+                "redone_step_s": round(max(0.0, end - adopted), 4),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step every rank of the current generation prepared, not committed yet."""
+    step: int
+    generation: int
+    reports: list[StepReport]
+
+
+class StepCoordinator:
+    def __init__(self, chan: JobChannel, on_event: Callable[[str], None] = lambda line: None):
+        self.chan = chan
+        self.on_event = on_event
+        self.adopted: Plan | None = None
+        self.directive: Directive | None = None
+        self.committed = 0
+        # step -> (sample ids, loss) of its last commit
+        self.records: dict[int, tuple[list[int], float]] = {}
+        self.reconfigs: list[Reconfiguration] = []
+        self.restores = 0
+        self.redone = 0
+
+    @property
+    def generation(self) -> int:
+        return self.directive.generation if self.directive else 0
+
+    # --- steps ---------------------------------------------------------------------------
+
+    def poll(self) -> PreparedStep | None:
+        """Confirm the adoption of the current generation once every member fetched its
+        state; then return the next step once every rank prepared it."""
+        d = self.directive
+        if d is None:
+            return None
+        g = d.generation
+        if self.adopted is None or self.adopted.generation != g:
+            if self.chan.fetched_count(g) >= len(d.exchange_ranks()):
+                self.chan.adopt(g)
+                self.adopted = d.plan
+                self._reconfig(g, lambda r: setattr(r, "adopted_at", time.monotonic()))
+            return None
+        step = self.committed + 1
+        if self.chan.prepared(g, step) < d.plan.world_size:
+            return None
+        reports = self.chan.reports(g, step, d.plan.world_size)
+        if step in self.records:
+            self.redone += 1
+        self.records[step] = ([i for r in reports for i in r.sample_ids], reports[0].loss)
+        self._reconfig(g, lambda r: r.resumed_at or setattr(r, "resumed_at", time.monotonic()))
+        return PreparedStep(step, g, reports)
+
+    def commit(self, step: PreparedStep, last: bool = False) -> None:
+        """Let the workers apply ``step`` and go on in the same generation (or stop)."""
+        if last:
+            self.chan.stop()
+        self.chan.commit(step.generation, step.step, step.generation)
+        self.committed = step.step
+
+    # --- plans ---------------------------------------------------------------------------
+
+    def publish(self, plan: Plan, alive: set[str], *, boundary: PreparedStep | None = None,
+                fault_at: float | None = None, detected_at: float | None = None) -> Directive:
+        """Publish ``plan`` to the workers. ``alive``: the nodes whose workers still run (a
+        node out of the plan but alive sends its experts away, as after a spot notice).
+
+        With ``boundary`` the change happens between steps: that step is committed and the
+        workers switch to ``plan`` right after it. Otherwise the switch is immediate and
+        any step in flight is dropped and redone (its optimizer step was never applied)."""
+        held = self.adopted
+        if boundary is not None:
+            self.committed = boundary.step
+        start_step = self.committed + 1
+        migrated, restored = 0, None
+        if held is None:
+            directive = Directive(plan, start_step=start_step)
+        else:
+            # Transfers from what the workers really hold: the last adopted plan (a plan
+            # published but interrupted before adoption never took effect).
+            sources = {n.name for n in held.nodes} & alive
+            migration = plan_transfers(held, plan, sources)
+            if migration.lost:
+                restored = self.chan.checkpoint() or 0
+                directive = Directive(plan, start_step=restored + 1, restore_step=restored)
+                self.restores += 1
+                self.on_event(f"{len(migration.lost)} (layer, expert) pairs lost every replica: "
+                              + (f"restoring the checkpoint of step {restored}" if restored
+                                 else "no checkpoint yet, restarting from step 0"))
+                self.committed = restored
+            else:
+                plan_names = {n.name for n in plan.nodes}
+                joiners = tuple(sorted(plan_names - sources))
+                senders = {t.source for t in migration.transfers}
+                directive = Directive(
+                    plan, start_step=start_step, transfers=migration.transfers,
+                    draining=tuple(sorted(senders - plan_names)), joiners=joiners,
+                    dense_source=min(sources & plan_names) if joiners else None)
+                migrated = migration.experts_migrated
+        now = time.monotonic()
+        self.reconfigs.append(Reconfiguration(
+            plan.generation, plan.reason, len(directive.exchange_ranks()), migrated, restored,
+            fault_at=fault_at or detected_at or now, detected_at=detected_at or now,
+            published_at=now))
+        self.directive = directive
+        if boundary is not None:  # announced by the commit, then switched to
+            self.chan.publish(directive, switch=False)
+            self.chan.commit(boundary.generation, boundary.step, plan.generation)
+            self.chan.switch_to(plan.generation)
+        else:
+            self.chan.publish(directive)
+        self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
+                      f"workers, {migrated} expert replicas migrated"
+                      + (f", restored step {restored}" if restored is not None else ""))
+        return directive
+
+    def summaries(self) -> list[dict]:
+        """The reconfigurations after the first plan, with the workers' own timings."""
+        for r in self.reconfigs:
+            r.worker_timings = {
+                str(rank): t for rank in range(r.members)
+                if (t := self.chan.timings(r.generation, rank)) is not None}
+        return [r.summary() for r in self.reconfigs if r.generation > 1]
+
+    def _reconfig(self, generation: int, update) -> None:
+        for r in reversed(self.reconfigs):
+            if r.generation == generation:
+                update(r)
+                return
