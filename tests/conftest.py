@@ -12,3 +12,4 @@ from testcluster.fixtures import (  # noqa: E402,F401
     pytest_runtest_makereport,
     scratch_nodes,
 )
+from testcluster.kubelet import local_kubelet  # noqa: E402,F401

@@ -96,6 +96,8 @@ class JobSpec:
     spot_notice_taints: tuple[str, ...] = DEFAULT_SPOT_NOTICE_TAINTS
     runtime: Mapping = field(default_factory=dict)
     template: Mapping = field(default_factory=dict)
+    # Where the coordinator pod runs (nodeSelector, tolerations, resources).
+    coordinator: Mapping = field(default_factory=dict)
 
     @property
     def slots_per_node(self) -> int:
@@ -187,13 +189,17 @@ def parse_spec(spec: object) -> JobSpec:
         template = {}
     elif gpus:
         _check_gpu_request(p, template, gpus)
+    coordinator = spec.get("coordinator", {})
+    if not isinstance(coordinator, Mapping):
+        p.bad("spec.coordinator", "InvalidCoordinator", "must be an object")
+        coordinator = {}
     p.raise_if_any()
     return JobSpec(
         experts=experts, layers=layers, min_nodes=min_nodes, max_nodes=max_nodes,
         replicas=replicas, gpus_per_node=gpus, slots_per_gpu=slots, min_replicas=f,
         policy=policy, rebalance_every_steps=every, rebalance_min_gain_percent=gain,
         checkpoint=checkpoint, spot_notice_taints=taints, runtime=dict(runtime),
-        template=dict(template),
+        template=dict(template), coordinator=dict(coordinator),
     )
 
 

@@ -9,6 +9,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from . import handlers  # noqa: F401  (registers the kopf handlers)
+from .builders import COORDINATOR_PORT
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="kopf liveness endpoint URL")
     parser.add_argument("--start-grace-seconds", type=float, default=10.0,
                         help="before a job's first plan, wait this long for its target nodes")
+    parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT,
+                        help="port of each job's coordinator (the workers' rendezvous store)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         peering_name=args.peering,
         priority=args.priority if args.priority is not None else random.randrange(1, 2**31),
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(start_grace_s=args.start_grace_seconds),
+        memo=kopf.Memo(start_grace_s=args.start_grace_seconds,
+                       coordinator_port=args.coordinator_port),
     )
 
 

@@ -1,37 +1,42 @@
-"""Pure builders for the objects a LazarusJob owns: worker pods, the plan ConfigMap, the
-workers' headless Service. They take plain data and return manifests (dicts), so they are
-unit-tested without a cluster; the handlers decide when to apply them.
+"""Pure builders for the objects a LazarusJob owns: worker pods, the coordinator pod and its
+Service, the plan ConfigMap, the workers' headless Service. They take plain data and return
+manifests (dicts), so they are unit-tested without a cluster; the handlers decide when to
+apply them.
 
-The contract with the workers (runtime/): each pod gets
-- LAZARUS_PLAN_CONFIGMAP: the ConfigMap holding ``plan.json`` (the latest generation) and,
-  when the latest reconfiguration lost experts, ``restore.json``; workers watch it;
-- LAZARUS_JOB, LAZARUS_NAMESPACE, LAZARUS_POD_NAME, LAZARUS_NODE_NAME (downward API);
-- LAZARUS_RUNTIME: ``spec.runtime`` as JSON; LAZARUS_CHECKPOINT_PATH / _EVERY_STEPS;
-- LAZARUS_WORKERS_SERVICE: the headless Service whose DNS names reach the other workers.
-Rank 0 reports progress by writing PROGRESS_ANNOTATION (JSON: step, generation, loads,
-checkpointStep) on its own pod; the operator reads it.
+The contract with the runtime (runtime/):
+- The coordinator pod (``python -m lazarus_runtime.cluster_coordinator``) follows the plan
+  ConfigMap (LAZARUS_PLAN_CONFIGMAP): ``plan.json`` is the latest generation, ``draining.json``
+  the nodes out of the plan whose workers still send their experts away (spot notice), and
+  ``restore.json``, present when the latest reconfiguration lost experts. It serves the
+  workers' rendezvous store on LAZARUS_COORDINATOR_PORT behind the Service
+  ``<job>-coordinator``, and reports progress by writing PROGRESS_ANNOTATION (JSON: step,
+  generation, loads, checkpointStep) on the pod of rank 0; the operator reads it there.
+- Each worker pod gets LAZARUS_COORDINATOR (host:port of that Service), LAZARUS_NODE_NAME
+  (downward API: plans name nodes), LAZARUS_RUNTIME (``spec.runtime`` as JSON),
+  LAZARUS_CHECKPOINT_PATH / _EVERY_STEPS, and for reference LAZARUS_JOB, LAZARUS_NAMESPACE,
+  LAZARUS_POD_NAME, LAZARUS_PLAN_CONFIGMAP and LAZARUS_WORKERS_SERVICE.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
 
+# The names the coordinator pod shares; the operator's modules take them from here.
+from lazarus_core.cluster_contract import (DRAINING_KEY, GROUP, JOB_LABEL,  # noqa: F401
+                                           PLAN_KEY, PROGRESS_ANNOTATION, RESTORE_KEY,
+                                           ROLE_LABEL)
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.plan import Plan
 
-GROUP = "lazarus.dev"
 VERSION = "v1alpha1"
 PLURAL = "lazarusjobs"
-JOB_LABEL = f"{GROUP}/job"
-ROLE_LABEL = f"{GROUP}/role"
 INDEX_LABEL = f"{GROUP}/worker-index"
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
-PROGRESS_ANNOTATION = f"{GROUP}/progress"
-PLAN_KEY = "plan.json"
-RESTORE_KEY = "restore.json"
 DEFAULT_IMAGE = "ghcr.io/lazarus-moe/runtime:0.1.0"
 DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.worker"]
-WORKER_PORT = 29500  # c10d rendezvous and gloo/NCCL bootstrap
+COORDINATOR_COMMAND = ["python", "-m", "lazarus_runtime.cluster_coordinator"]
+WORKER_PORT = 29500  # gloo/NCCL bootstrap
+COORDINATOR_PORT = 29400  # the coordinator's rendezvous store (c10d TCPStore)
 
 
 def plan_configmap_name(job: str) -> str:
@@ -40,6 +45,11 @@ def plan_configmap_name(job: str) -> str:
 
 def service_name(job: str) -> str:
     return f"{job}-workers"
+
+
+def coordinator_name(job: str) -> str:
+    """The coordinator's pod and Service."""
+    return f"{job}-coordinator"
 
 
 def worker_name(job: str, index: int) -> str:
@@ -51,16 +61,20 @@ def selector(job: str) -> str:
     return f"{JOB_LABEL}={job},{ROLE_LABEL}=worker"
 
 
-def _labels(job: str) -> dict[str, str]:
-    return {JOB_LABEL: job, ROLE_LABEL: "worker", "app.kubernetes.io/managed-by": "lazarus-operator"}
+def _labels(job: str, role: str, template: Mapping) -> dict[str, str]:
+    """The template's extra labels, then ours (which it cannot override)."""
+    return dict(template.get("labels") or {}) | {
+        JOB_LABEL: job, ROLE_LABEL: role, "app.kubernetes.io/managed-by": "lazarus-operator"}
 
 
 def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
-                     generation: int) -> dict:
-    """Worker pod ``index`` of ``job``: one per node, carrying where to find the plan."""
+                     generation: int, coordinator_port: int = COORDINATOR_PORT) -> dict:
+    """Worker pod ``index`` of ``job``: one per node, carrying where to find the coordinator."""
     t: Mapping = spec.template
     name = worker_name(job, index)
     env = [
+        {"name": "LAZARUS_COORDINATOR",
+         "value": f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"},
         {"name": "LAZARUS_JOB", "value": job},
         {"name": "LAZARUS_NAMESPACE", "value": namespace},
         {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
@@ -117,7 +131,7 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": _labels(job) | {INDEX_LABEL: str(index)},
+            "labels": _labels(job, "worker", t) | {INDEX_LABEL: str(index)},
             "annotations": {GENERATION_ANNOTATION: str(generation)},
         },
         "spec": pod_spec,
@@ -130,11 +144,79 @@ def _quantities(resources: Mapping) -> dict:
             for kind, amounts in resources.items()}
 
 
+def build_coordinator_pod(job: str, namespace: str, spec: JobSpec,
+                          port: int = COORDINATOR_PORT) -> dict:
+    """The job's coordinator: one small CPU pod that outlives worker losses. It asks for no
+    GPU and by default tolerates none of the GPU or spot taints the workers tolerate, so it
+    lands on the cluster's regular (on-demand) nodes; ``spec.coordinator`` can pin it."""
+    t: Mapping = spec.template
+    placement: Mapping = spec.coordinator
+    name = coordinator_name(job)
+    env = [
+        {"name": "LAZARUS_JOB", "value": job},
+        {"name": "LAZARUS_NAMESPACE", "value": namespace},
+        {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
+        {"name": "LAZARUS_COORDINATOR_PORT", "value": str(port)},
+    ]
+    ours = {e["name"] for e in env}
+    env += [e for e in t.get("env", []) if e.get("name") not in ours]
+    container = {
+        "name": "coordinator",
+        "image": t.get("image", DEFAULT_IMAGE),
+        "command": list(COORDINATOR_COMMAND),
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": port}],
+        "resources": _quantities(placement.get("resources")
+                                 or {"requests": {"cpu": "500m", "memory": "512Mi"}}),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if "imagePullPolicy" in t:
+        container["imagePullPolicy"] = t["imagePullPolicy"]
+    pod_spec = {
+        "containers": [container],
+        # Its store is the job's memory of this run: a restarted coordinator would not
+        # know it, so it is not restarted in place.
+        "restartPolicy": "Never",
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "nodeSelector": dict(placement.get("nodeSelector", {})),
+        "tolerations": list(placement.get("tolerations", [])),
+        "enableServiceLinks": False,
+    }
+    if "serviceAccountName" in t:
+        pod_spec["serviceAccountName"] = t["serviceAccountName"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": _labels(job, "coordinator", t)},
+        "spec": pod_spec,
+    }
+
+
+def build_coordinator_service(job: str, namespace: str, port: int = COORDINATOR_PORT) -> dict:
+    """The stable name the workers reach the coordinator's store by."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": coordinator_name(job), "namespace": namespace,
+                     "labels": {JOB_LABEL: job}},
+        "spec": {
+            "selector": {JOB_LABEL: job, ROLE_LABEL: "coordinator"},
+            "ports": [{"name": "rendezvous", "port": port, "targetPort": port}],
+        },
+    }
+
+
 def build_plan_configmap(job: str, namespace: str, plan: Plan,
-                         restore: Mapping | None = None) -> dict:
+                         restore: Mapping | None = None,
+                         draining: tuple[str, ...] = ()) -> dict:
     """The published plan. ``restore`` (generation, step, lost) is present only when the
-    workers of this generation must reload a checkpoint."""
-    data = {PLAN_KEY: plan.to_json()}
+    workers of this generation must reload a checkpoint; ``draining``: the nodes out of
+    the plan whose workers still hold experts to send (spot notice)."""
+    data = {PLAN_KEY: plan.to_json(), DRAINING_KEY: json.dumps(sorted(draining))}
     if restore is not None:
         data[RESTORE_KEY] = json.dumps(dict(restore), sort_keys=True)
     return {

@@ -64,8 +64,10 @@ class _Job:
 
 class Reconciler:
     def __init__(self, api: client.ApiClient, settings: core.Settings = core.Settings(),
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 coordinator_port: int = builders.COORDINATOR_PORT):
         self.core = client.CoreV1Api(api)
+        self.coordinator_port = coordinator_port
         self.custom = client.CustomObjectsApi(api)
         self.settings = settings
         self.clock = clock
@@ -237,10 +239,11 @@ class Reconciler:
         state = outcome.state
         restores = {d.generation: d for d in outcome.decisions
                     if isinstance(d, core.RestoreCheckpoint)}
-        self._ensure_service(body)
+        self._ensure_service(body, spec)
         for d in outcome.decisions:
             if isinstance(d, core.PublishPlan):
-                self._publish(body, d, restores.get(d.plan.generation), obs, started, timing)
+                self._publish(body, d, restores.get(d.plan.generation), state.draining, obs,
+                              started, timing)
             elif isinstance(d, core.ReleaseWorkers):
                 self._delete_pods([(obs.pod_on[n], False) for n in d.names if n in obs.pod_on],
                                   namespace)
@@ -253,13 +256,15 @@ class Reconciler:
         self._patch_status(body, state)
 
     def _publish(self, body: dict, d: core.PublishPlan, restore: core.RestoreCheckpoint | None,
+                 draining: frozenset[str],
                  obs: Observation, started: float, timing: str) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         plan = d.plan
         restore_doc = None if restore is None else {
             "generation": restore.generation, "step": restore.step,
             "lost": [list(x) for x in restore.lost]}
-        cm = builders.build_plan_configmap(name, namespace, plan, restore_doc)
+        cm = builders.build_plan_configmap(name, namespace, plan, restore_doc,
+                                           tuple(draining))
         kopf.adopt(cm, owner=body)
         self._write_plan(self._job((namespace, name)), cm)
         elapsed = time.perf_counter() - started
@@ -312,7 +317,8 @@ class Reconciler:
         missing = state.missing_workers(len(obs.starting))
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6) if i not in obs.used_indices)
-        pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation)
+        pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
+                                          self.coordinator_port)
                 for _ in range(missing)]
 
         def create(pod: dict) -> None:
@@ -457,18 +463,26 @@ class Reconciler:
             written = self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
         job.plan_version = written.metadata.resource_version
 
-    def _ensure_service(self, body: dict) -> None:
+    def _ensure_service(self, body: dict, spec: JobSpec) -> None:
+        """The workers' Service, and the coordinator's pod and Service: created once per job
+        ("already exists" after an operator restart is the normal case)."""
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         job = self._job(key)
         if job.service_ready:
             return
-        svc = builders.build_workers_service(key[1], key[0])
-        kopf.adopt(svc, owner=body)
-        try:
-            self.core.create_namespaced_service(key[0], svc)
-        except ApiException as e:
-            if e.status != 409:
-                raise
+        port = self.coordinator_port
+        for obj, create in (
+                (builders.build_workers_service(key[1], key[0]), self.core.create_namespaced_service),
+                (builders.build_coordinator_service(key[1], key[0], port),
+                 self.core.create_namespaced_service),
+                (builders.build_coordinator_pod(key[1], key[0], spec, port),
+                 self.core.create_namespaced_pod)):
+            kopf.adopt(obj, owner=body)
+            try:
+                create(key[0], obj)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
         job.service_ready = True
 
     def _delete_pods(self, pods: list[tuple[str, bool]], namespace: str) -> None:

@@ -16,7 +16,9 @@ SPEC = parse_spec({
     "minNodes": 2, "maxNodes": 4, "gpusPerNode": 2, "slotsPerGpu": 2,
     "checkpoint": {"path": "/ckpt", "everySteps": 10},
     "spotNoticeTaints": [{"key": "karpenter.sh/disrupted"}],
-    "template": {"image": "img:1", "nodeSelector": {"pool": "gpu"},
+    "coordinator": {"nodeSelector": {"pool": "cpu"}},
+    "template": {"image": "img:1", "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
+                 "labels": {"team": "moe", "lazarus.dev/role": "not mine"},
                  "resources": {"limits": {"nvidia.com/gpu": 2}},
                  "tolerations": [{"key": "spot", "operator": "Exists"}],
                  "env": [{"name": "EXTRA", "value": "1"},
@@ -35,6 +37,9 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert env["EXTRA"]["value"] == "1"
     assert json.loads(env["LAZARUS_RUNTIME"]["value"])["model"] == "tiny"
     assert env["LAZARUS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["LAZARUS_COORDINATOR"]["value"] == "j-coordinator.ns.svc:29400"
+    assert pod["metadata"]["labels"]["team"] == "moe"  # the template's labels ride along,
+    assert pod["metadata"]["labels"]["lazarus.dev/role"] == "worker"  # never over ours
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
@@ -45,6 +50,27 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
 
 
+def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_it():
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, port=1234)
+    svc = builders.build_coordinator_service("j", "ns", port=1234)
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert pod["metadata"]["name"] == svc["metadata"]["name"] == "j-coordinator"
+    assert c["command"][-1] == "lazarus_runtime.cluster_coordinator"
+    assert (env["LAZARUS_PLAN_CONFIGMAP"], env["LAZARUS_COORDINATOR_PORT"]) == ("j-plan", "1234")
+    assert env["EXTRA"] == "1" and env["LAZARUS_JOB"] == "j"
+    # spec.coordinator places it; none of the workers' GPU request, selector or tolerations.
+    assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["spec"]["tolerations"] == []
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert pod["spec"]["serviceAccountName"] == "sa"
+    assert pod["metadata"]["labels"]["team"] == "moe"
+    selected = svc["spec"]["selector"]
+    assert all(pod["metadata"]["labels"][k] == v for k, v in selected.items())
+    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1)
+    assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
+    assert svc["spec"]["ports"][0]["port"] == 1234
+
+
 def test_plan_configmap_round_trips_the_plan_and_flags_a_restore():
     nodes = [NodeSpec(f"n{i}", 2, 2) for i in range(3)]
     plan = plan_job(nodes, 4, 2, 2)
@@ -53,6 +79,9 @@ def test_plan_configmap_round_trips_the_plan_and_flags_a_restore():
     assert type(plan).from_json(cm["data"][builders.PLAN_KEY]) == plan
     assert json.loads(cm["data"][builders.RESTORE_KEY])["step"] == 20
     assert builders.RESTORE_KEY not in builders.build_plan_configmap("j", "ns", plan)["data"]
+    assert json.loads(cm["data"][builders.DRAINING_KEY]) == []
+    drained = builders.build_plan_configmap("j", "ns", plan, draining=("n9", "n7"))
+    assert json.loads(drained["data"][builders.DRAINING_KEY]) == ["n7", "n9"]
 
 
 def _node(name, ready=True, taints=(), labels=None):

@@ -1,0 +1,235 @@
+"""The coordinator of a LazarusJob on Kubernetes, in the pod the operator creates for it:
+
+    python -m lazarus_runtime.cluster_coordinator   (configured by the environment, see main)
+
+It owns the workers' rendezvous store, so it runs apart from them, on reliable capacity: a
+lost worker never takes the store with it. It follows the plans the operator publishes in
+the job's plan ConfigMap and drives the workers through them with the local backend's
+StepCoordinator. A plan that drops a live member's node (a failure) is published at once,
+and the step in flight is redone; any other change (growth, a spot notice, a rebalance)
+waits for the next step boundary, so no step is lost. Progress goes where the operator
+reads it: an annotation on the pod of rank 0. One JSON line per event goes to stdout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from kubernetes import client, config, watch
+from lazarus_core.cluster_contract import (DRAINING_KEY, JOB_LABEL, PLAN_KEY,
+                                           PROGRESS_ANNOTATION, ROLE_LABEL)
+from lazarus_core.plan import Plan, PlanError
+
+from .coordination import PreparedStep, StepCoordinator
+from .job_channel import JobChannel
+
+log = logging.getLogger("lazarus.coordinator")
+
+
+@dataclass(frozen=True)
+class Published:
+    """One generation as the operator published it."""
+    plan: Plan
+    draining: frozenset[str]
+
+    @property
+    def alive(self) -> set[str]:
+        """Nodes whose workers the operator counts as running."""
+        return {n.name for n in self.plan.nodes} | self.draining
+
+
+class PlanFollower:
+    """The newest plan in the job's ConfigMap, kept current by a watch thread."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, name: str):
+        self.core, self.namespace, self.name = core, namespace, name
+        self._newest: Published | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> "PlanFollower":
+        threading.Thread(target=self._follow, name="plan-follower", daemon=True).start()
+        return self
+
+    def newest(self) -> Published | None:
+        with self._lock:
+            return self._newest
+
+    def _follow(self) -> None:
+        while True:
+            try:
+                for event in watch.Watch().stream(
+                        self.core.list_namespaced_config_map, self.namespace,
+                        field_selector=f"metadata.name={self.name}", timeout_seconds=300):
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self._take(event["object"].data or {})
+            except Exception as e:  # noqa: BLE001 - the API server restarts; follow again
+                log.warning("plan watch ended (%s); watching again", e)
+                time.sleep(1)
+
+    def _take(self, data: dict) -> None:
+        try:
+            published = Published(Plan.from_json(data[PLAN_KEY]),
+                                  frozenset(json.loads(data.get(DRAINING_KEY, "[]"))))
+        except (KeyError, ValueError, PlanError) as e:
+            log.error("unreadable plan ConfigMap %s: %s", self.name, e)
+            return
+        with self._lock:
+            if self._newest is None or published.plan.generation > self._newest.plan.generation:
+                self._newest = published
+
+
+class ProgressReporter:
+    """Writes the newest progress on the pod of rank 0, off the step loop (a slow API call
+    must not hold up training; a report overtaken by a newer one is simply dropped)."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, job: str):
+        self.core, self.namespace, self.job = core, namespace, job
+        self._pods: dict[str, str] = {}  # node -> worker pod
+        self._latest: tuple[str, dict] | None = None
+        self._ready = threading.Condition()
+
+    def start(self) -> "ProgressReporter":
+        threading.Thread(target=self._write, name="progress", daemon=True).start()
+        return self
+
+    def report(self, node: str, progress: dict) -> None:
+        with self._ready:
+            self._latest = (node, progress)
+            self._ready.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._latest is not None)
+                node, progress = self._latest
+                self._latest = None
+            try:
+                pod = self._pod_on(node)
+                if pod is not None:
+                    self.core.patch_namespaced_pod(pod, self.namespace, {"metadata": {
+                        "annotations": {PROGRESS_ANNOTATION: json.dumps(progress)}}})
+            except client.ApiException as e:
+                self._pods.pop(node, None)  # replaced or gone: look it up again next time
+                log.warning("could not report progress on %s's pod: %s", node, e.reason)
+
+    def _pod_on(self, node: str) -> str | None:
+        if node not in self._pods:
+            pods = self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"{JOB_LABEL}={self.job},{ROLE_LABEL}=worker",
+                field_selector=f"spec.nodeName={node}").items
+            live = [p.metadata.name for p in pods if not p.metadata.deletion_timestamp]
+            if not live:
+                return None
+            self._pods[node] = live[0]
+        return self._pods[node]
+
+
+class ClusterCoordinator:
+    def __init__(self, chan: JobChannel, plans: PlanFollower, progress: ProgressReporter):
+        self.chan = chan
+        self.plans = plans
+        self.progress = progress
+        self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line))
+        self.pending: Published | None = None  # the newest plan, not published yet
+        self.seen = 0
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self._follow_plans()
+            prepared = self.steps.poll()
+            if prepared is not None:
+                self._complete(prepared)
+            time.sleep(0.002)
+        self.chan.stop()
+
+    def _follow_plans(self) -> None:
+        newest = self.plans.newest()
+        if newest is not None and newest.plan.generation > self.seen:
+            self.seen = newest.plan.generation
+            self.pending = newest  # replaces one still waiting for its step boundary
+        if self.pending is not None and self._ready(self.pending) and not self._at_boundary(
+                self.pending):
+            self._publish(self.pending, boundary=None)
+
+    def _complete(self, prepared: PreparedStep) -> None:
+        if self.pending is not None and self._ready(self.pending):
+            self._publish(self.pending, boundary=prepared)
+        else:
+            self.steps.commit(prepared)
+        _, loss = self.steps.records[prepared.step]
+        emit("step", step=prepared.step, generation=prepared.generation, loss=loss)
+        plan = self.steps.directive.plan
+        self.progress.report(plan.nodes[0].name, {
+            "step": prepared.step, "generation": prepared.generation,
+            "loads": prepared.reports[0].loads, "checkpointStep": self.chan.checkpoint()})
+
+    def _ready(self, p: Published) -> bool:
+        """Every worker of the plan is up: a plan naming a worker still importing torch
+        would hold every survivor at the rendezvous until it arrives."""
+        return all(self.chan.said_hello(n.name) for n in p.plan.nodes)
+
+    def _at_boundary(self, p: Published) -> bool:
+        """Whether ``p`` can wait for the next step boundary: the current generation is in
+        place and every one of its members still runs."""
+        d = self.steps.directive
+        adopted = self.steps.adopted
+        return (d is not None and adopted is not None and adopted.generation == d.generation
+                and all(n.name in p.alive for n in d.plan.nodes))
+
+    def _publish(self, p: Published, boundary: PreparedStep | None) -> None:
+        d = self.steps.publish(p.plan, p.alive, boundary=boundary)
+        self.pending = None
+        emit("plan", generation=p.plan.generation, reason=p.plan.reason,
+             workers=p.plan.world_size, boundary=boundary is not None,
+             start_step=d.start_step, restored_step=d.restore_step,
+             experts_migrated=self.steps.reconfigs[-1].experts_migrated,
+             draining=sorted(d.draining))
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, "time": round(time.time(), 4), **fields}), flush=True)
+
+
+def _kube_config() -> None:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()  # KUBECONFIG: outside a cluster, or a local test kubelet
+
+
+def main() -> int:
+    """Environment (set by the operator): LAZARUS_JOB, LAZARUS_NAMESPACE,
+    LAZARUS_PLAN_CONFIGMAP, LAZARUS_COORDINATOR_PORT."""
+    logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(name)s %(message)s")
+    names = ("LAZARUS_JOB", "LAZARUS_NAMESPACE", "LAZARUS_PLAN_CONFIGMAP",
+             "LAZARUS_COORDINATOR_PORT")
+    missing = [v for v in names if not os.environ.get(v)]
+    if missing:
+        print(f"lazarus coordinator: error: {', '.join(missing)} not set; the operator "
+              f"starts the coordinator pod of each LazarusJob", file=sys.stderr)
+        return 2
+    job, namespace, plan_cm, port = (os.environ[v] for v in names)
+    _kube_config()
+    core = client.CoreV1Api()
+    store = dist.TCPStore("0.0.0.0", int(port), is_master=True, wait_for_workers=False)
+    coordinator = ClusterCoordinator(JobChannel(store),
+                                     PlanFollower(core, namespace, plan_cm).start(),
+                                     ProgressReporter(core, namespace, job).start())
+    # Deleting the job deletes this pod: tell the workers to stop rather than time out.
+    signal.signal(signal.SIGTERM, lambda *_: coordinator.stopping.set())
+    emit("serving", port=int(port), job=job)
+    coordinator.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
