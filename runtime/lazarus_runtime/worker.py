@@ -88,7 +88,8 @@ class Worker:
                 continue  # not placed yet: a later generation may take us
             try:
                 self._adopt(directive)
-            except GenerationEnded:
+            except GenerationEnded as e:
+                log.warning("%s: %s", self.node, e)
                 self._leave(failed=True)
                 continue  # nothing changed: the coordinator plans from our last layout
             except StateLost:
@@ -99,7 +100,8 @@ class Worker:
                 return 0  # a draining node: its experts are sent, its work is done
             try:
                 self._train(directive)
-            except GenerationEnded:
+            except GenerationEnded as e:
+                log.warning("%s: %s", self.node, e)
                 self._leave(failed=True)
             if self.chan.stopped():
                 self._leave(failed=False)

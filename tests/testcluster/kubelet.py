@@ -336,3 +336,29 @@ def local_kubelet(cluster, namespace, tmp_path):
     # Nobody would finish the deletion of its pods now, and they would keep the namespace
     # Terminating for good (on nodes that outlive the test).
     cluster.core.delete_collection_namespaced_pod(namespace, label_selector=LABEL, body={"gracePeriodSeconds": 0})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m testcluster.kubelet --namespace NS --log-dir DIR``: run until interrupted
+    (hack/try-on-cluster.sh uses it to run a job's pods on the local cluster)."""
+    import argparse
+    import signal
+
+    from testcluster.kube import api_client
+
+    parser = argparse.ArgumentParser(prog="python -m testcluster.kubelet", description=main.__doc__)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--log-dir", type=Path, required=True, help="each pod's output.log goes here")
+    parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
+    args = parser.parse_args(argv)
+    kubelet = LocalKubelet(api_client(args.kubeconfig), args.namespace, args.log_dir).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    kubelet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
