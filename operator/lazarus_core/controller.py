@@ -38,6 +38,10 @@ NODE_JOINED = "NodeJoined"
 REBALANCE = "Rebalance"
 SCALE_DOWN = "ScaleDown"
 SPEC_CHANGED = "SpecChanged"
+# The same nodes again: the workers made no progress for Settings.stall_s (a generation whose
+# collectives timed out with every member still alive waits for a newer plan, and nothing
+# else would publish one). Workers act on it at once: no step boundary is coming.
+STALLED = "Stalled"
 # Reasons the workers act on at once; the others wait for the end of the current step.
 URGENT_REASONS = frozenset({NODE_LOST, SPOT_NOTICE})
 
@@ -49,6 +53,8 @@ class Settings:
     start_grace_s: float = 10.0
     # Recovery probability is reported for k = 1..max_failures simultaneous node failures.
     max_failures: int = 5
+    # Publish the same nodes again when a plan has seen no progress for this long (0: never).
+    stall_s: float = 0.0
 
 
 # --- events in ---------------------------------------------------------------------------
@@ -169,6 +175,8 @@ class JobState:
     last_lost: tuple[tuple[int, int], ...] = ()
     last_experts_migrated: int = 0
     changed_at: float | None = None
+    # When the latest progress report arrived.
+    progress_at: float | None = None
     settings: Settings = field(default_factory=Settings)
 
     @property
@@ -218,7 +226,9 @@ def handle(state: JobState, event: Event, now: float) -> Outcome:
     if isinstance(event, SpecChanged):
         return _on_spec(state, event.spec, now)
     if isinstance(event, Tick):
-        return _advance(state, now) if state.plan is None else Outcome(state)
+        if state.plan is None:
+            return _advance(state, now)
+        return _on_stall(state, now) if _stalled(state, now) else Outcome(state)
     raise TypeError(f"not a controller event: {event!r}")
 
 
@@ -308,7 +318,7 @@ def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
         return Outcome(state)  # a late report from before the last one
     loads = _check_loads(state.spec, p.loads) if p.loads is not None else state.loads
     state = dataclasses.replace(
-        state, step=p.step, loads=loads, progress_generation=p.generation,
+        state, step=p.step, loads=loads, progress_generation=p.generation, progress_at=now,
         checkpoint_step=p.checkpoint_step if p.checkpoint_step is not None else state.checkpoint_step,
     )
     decisions: list[Decision] = []
@@ -374,6 +384,20 @@ def _advance(state: JobState, now: float) -> Outcome:
                     f"with those in {deadline - now:.0f} s unless the rest join first")
         return Outcome(state, (wait,), retry_at=deadline)
     return _publish(state, INITIAL, now, f"starting on {len(_choose(state))} nodes")
+
+
+def _stalled(state: JobState, now: float) -> bool:
+    """No progress under the current plan for ``stall_s``, counted from its publication or
+    the last report, whichever is later (an operator that just restarted counts from now)."""
+    if not state.settings.stall_s or state.stale:
+        return False  # a lost node's own re-plan is on its way
+    since = max(t for t in (state.progress_at, state.changed_at, 0.0) if t is not None)
+    return since > 0 and now - since >= state.settings.stall_s
+
+
+def _on_stall(state: JobState, now: float) -> Outcome:
+    return _publish(state, STALLED, now,
+                    f"no progress for {state.settings.stall_s:.0f} s with every worker alive")
 
 
 def _rebalance(state: JobState, now: float, force: bool) -> Outcome:

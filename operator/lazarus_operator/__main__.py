@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="kopf liveness endpoint URL")
     parser.add_argument("--start-grace-seconds", type=float, default=10.0,
                         help="before a job's first plan, wait this long for its target nodes")
+    parser.add_argument("--stall-seconds", type=float, default=600.0,
+                        help="publish a job's nodes again when it made no step for this long "
+                             "with every worker alive (0: never)")
     parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT,
                         help="port of each job's coordinator (the workers' rendezvous store)")
     parser.add_argument("--verbose", action="store_true")
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         peering_name=args.peering,
         priority=args.priority if args.priority is not None else random.randrange(1, 2**31),
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(start_grace_s=args.start_grace_seconds,
+        memo=kopf.Memo(start_grace_s=args.start_grace_seconds, stall_s=args.stall_seconds,
                        coordinator_port=args.coordinator_port),
     )
 

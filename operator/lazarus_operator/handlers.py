@@ -33,7 +33,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     api = client.ApiClient()
     # Pod patches and deletions fan out in parallel; the default pool of 4 would serialise them.
     api.rest_client.pool_manager.connection_pool_kw["maxsize"] = 16
-    memo.reconciler = Reconciler(api, Settings(start_grace_s=memo.get("start_grace_s", 10.0)),
+    memo.reconciler = Reconciler(api, Settings(start_grace_s=memo.get("start_grace_s", 10.0),
+                                               stall_s=memo.get("stall_s", 0.0)),
                                  coordinator_port=memo.get("coordinator_port",
                                                            builders.COORDINATOR_PORT))
     # kopf posts an Event per handler log line at INFO; only its warnings and errors (a

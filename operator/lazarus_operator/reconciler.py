@@ -403,6 +403,9 @@ class Reconciler:
             last_rebalance_step=step,
             progress_generation=plan.generation if plan is not None and step else None,
             restores=status.get("checkpointRestores", 0),
+            # A stall is counted from now: how long the workers went without a step while
+            # no operator ran is not known.
+            progress_at=self.clock(),
             settings=self.settings,
         )
 

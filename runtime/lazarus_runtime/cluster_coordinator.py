@@ -25,6 +25,7 @@ import torch.distributed as dist
 from kubernetes import client, config, watch
 from lazarus_core.cluster_contract import (DRAINING_KEY, JOB_LABEL, PLAN_KEY,
                                            PROGRESS_ANNOTATION, ROLE_LABEL)
+from lazarus_core.controller import STALLED
 from lazarus_core.plan import Plan, PlanError
 
 from .coordination import PreparedStep, StepCoordinator
@@ -178,11 +179,12 @@ class ClusterCoordinator:
 
     def _at_boundary(self, p: Published) -> bool:
         """Whether ``p`` can wait for the next step boundary: the current generation is in
-        place and every one of its members still runs."""
+        place, every one of its members still runs, and steps are being made (a plan for
+        a stalled job has no boundary to wait for)."""
         d = self.steps.directive
         adopted = self.steps.adopted
         return (d is not None and adopted is not None and adopted.generation == d.generation
-                and all(n.name in p.alive for n in d.plan.nodes))
+                and all(n.name in p.alive for n in d.plan.nodes) and p.plan.reason != STALLED)
 
     def _publish(self, p: Published, boundary: PreparedStep | None) -> None:
         d = self.steps.publish(p.plan, p.alive, boundary=boundary)

@@ -10,6 +10,7 @@ replicas migrated, in build/e2e-results.json.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import time
@@ -36,6 +37,8 @@ TOLERANCE = 1e-4
 STEP_TIMEOUT_S = 90
 # The target for a lost node: its deletion to the next completed step.
 NODE_LOSS_TARGET_S = 10
+# The operator publishes the same nodes again after this long without a step.
+STALL_S = 15
 
 
 def job_manifest(name: str, namespace: str, checkpoint: Path, **spec) -> dict:
@@ -163,7 +166,8 @@ def stack(cluster, namespace, operator_factory, jobs, local_kubelet, worker_rbac
     with socket.socket() as s:  # every coordinator listens on this host: one port each
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    op = operator_factory(extra_args=(f"--coordinator-port={port}",)).start()
+    op = operator_factory(extra_args=(f"--coordinator-port={port}",
+                                      f"--stall-seconds={STALL_S}")).start()
     return Stack(cluster, namespace, jobs, local_kubelet, op, tmp_path)
 
 
@@ -301,6 +305,31 @@ def test_new_nodes_join_and_the_job_grows_into_them(cluster, stack, scratch_node
     assert commits == list(range(1, len(commits) + 1)), "growing lost or redid a step"
     assert m["steps_lost"] == 0
     assert_losses_match(stack, m)
+
+
+def test_a_frozen_worker_stalls_the_job_until_the_operator_republishes(cluster, stack,
+                                                                      scratch_nodes):
+    scratch_nodes("gpu-spot", num_zones=2, nodes_per_zone=2)
+    stack.apply()
+    stack.wait_step(6)
+    generation = stack.generation()
+    frozen = stack.kubelet.process(stack.jobs.workers(stack.name)[0].metadata.name)
+
+    frozen_at = time.time()
+    frozen.send_signal(signal.SIGSTOP)  # a hung driver: alive, silent, holding its peers
+    wait_until(lambda: stack.generation() > generation, timeout=STALL_S + 30,
+               what="the operator to publish the stalled job's nodes again",
+               describe=stack.describe)
+    frozen.send_signal(signal.SIGCONT)
+    stack.wait_step(stack.last_step() + 3, after_generation=generation)
+
+    m = stack.measure("worker frozen, then back", frozen_at, generation)
+    [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
+    assert plan["reason"] == "Stalled" and not plan["boundary"], plan
+    assert len(stack.plan_nodes()) == 4 and m["steps_lost"] == 0
+    assert m["fault_to_next_step_s"] >= STALL_S
+    commits = stack.commits()
+    assert commits == sorted(set(commits)), "a committed step was committed again"
 
 
 def test_the_operator_killed_mid_reconfiguration_still_converges(cluster, stack,

@@ -292,3 +292,30 @@ def test_two_losses_seen_apart_are_judged_on_what_the_workers_surely_hold():
     confirmed = c.handle(first.state, c.Progress(step=1, generation=2), T0 + 2).state
     out = c.handle(confirmed, c.NodesLost((holders[1],)), T0 + 3)
     assert not any((0, 0) in d.lost for d in out.decisions if isinstance(d, c.RestoreCheckpoint))
+
+
+def test_a_job_without_progress_gets_its_nodes_again_once_per_stall_period():
+    state = c.new_job(job(replicas=4), c.Settings(start_grace_s=0, stall_s=30))
+    state = c.handle(state, c.NodesJoined(nodes("n0", "n1", "n2", "n3")), T0).state
+    state = c.handle(state, c.Progress(step=5, generation=1), T0 + 10).state
+    assert c.handle(state, c.Tick(), T0 + 39).decisions == ()  # 29 s since the last step
+    out = c.handle(state, c.Tick(), T0 + 40)
+    plan = _published(out).plan
+    assert (plan.generation, plan.reason) == (2, c.STALLED)
+    assert [n.name for n in plan.nodes] == [n.name for n in state.plan.nodes]
+    assert _published(out).migration.experts_migrated == 0
+    # The clock restarts with the new plan: no storm of re-publications.
+    assert c.handle(out.state, c.Tick(), T0 + 69).decisions == ()
+    assert _published(c.handle(out.state, c.Tick(), T0 + 70)).plan.generation == 3
+
+
+def test_no_stall_plan_while_a_lost_node_is_the_reason_or_when_turned_off():
+    state = c.new_job(job(replicas=4), c.Settings(start_grace_s=0, stall_s=30))
+    state = c.handle(state, c.NodesJoined(nodes("n0", "n1", "n2", "n3")), T0).state
+    # n3's worker is gone and the job cannot re-plan without it (waiting for capacity).
+    stale = dataclasses.replace(state, nodes=state.nodes[:3])
+    assert stale.stale
+    assert not [d for d in c.handle(stale, c.Tick(), T0 + 100).decisions
+                if isinstance(d, c.PublishPlan)]
+    off = dataclasses.replace(state, settings=c.Settings(start_grace_s=0))
+    assert c.handle(off, c.Tick(), T0 + 10_000).decisions == ()
