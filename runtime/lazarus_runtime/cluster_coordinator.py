@@ -88,7 +88,10 @@ class PlanFollower:
 
 class ProgressReporter:
     """Writes the newest progress on the pod of rank 0, off the step loop (a slow API call
-    must not hold up training; a report overtaken by a newer one is simply dropped)."""
+    must not hold up training; a report overtaken by a newer one is simply dropped), at
+    most every ``MIN_INTERVAL_S``: each write is a pass of the operator over the job."""
+
+    MIN_INTERVAL_S = 0.5
 
     def __init__(self, core: client.CoreV1Api, namespace: str, job: str):
         self.core, self.namespace, self.job = core, namespace, job
@@ -119,6 +122,7 @@ class ProgressReporter:
             except client.ApiException as e:
                 self._pods.pop(node, None)  # replaced or gone: look it up again next time
                 log.warning("could not report progress on %s's pod: %s", node, e.reason)
+            time.sleep(self.MIN_INTERVAL_S)
 
     def _pod_on(self, node: str) -> str | None:
         if node not in self._pods:
