@@ -30,6 +30,8 @@ from .plan import Plan
 from .solver import allocate_layers, plan_job, replan
 from .topology import NodeSpec
 
+# The Ready condition's reason once the job trained spec.steps steps.
+SUCCEEDED = "Succeeded"
 # Plan reasons: CamelCase, as status conditions and Events want them.
 INITIAL = "Initial"
 NODE_LOST = "NodeLost"
@@ -177,6 +179,8 @@ class JobState:
     changed_at: float | None = None
     # When the latest progress report arrived.
     progress_at: float | None = None
+    # The workers trained spec.steps steps and stopped: nothing is re-planned any more.
+    finished: bool = False
     settings: Settings = field(default_factory=Settings)
 
     @property
@@ -195,6 +199,8 @@ class JobState:
 
     def missing_workers(self, starting: int = 0) -> int:
         """Workers to start toward the target, given ``starting`` ones not yet up."""
+        if self.finished:
+            return 0
         usable = sum(1 for n in self.nodes if n.name not in self.noticed | self.draining)
         return max(0, self.spec.target_nodes - usable - starting)
 
@@ -213,6 +219,8 @@ def new_job(spec: JobSpec, settings: Settings = Settings()) -> JobState:
 
 def handle(state: JobState, event: Event, now: float) -> Outcome:
     """The next state and what to do about ``event``."""
+    if state.finished and not isinstance(event, SpecChanged):
+        return Outcome(state)  # its workers are gone on purpose: nothing to recover
     if isinstance(event, NodesLost):
         return _on_lost(state, set(event.names), now)
     if isinstance(event, SpotNotice):
@@ -316,6 +324,10 @@ def _on_joined(state: JobState, nodes: Sequence[NodeSpec], now: float) -> Outcom
 def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
     if p.step < state.step and p.generation <= (state.progress_generation or 0):
         return Outcome(state)  # a late report from before the last one
+    if state.spec.steps is not None and p.step >= state.spec.steps:
+        return Outcome(dataclasses.replace(
+            state, step=p.step, progress_generation=p.generation, progress_at=now,
+            finished=True, pending=None, draining=frozenset()))
     loads = _check_loads(state.spec, p.loads) if p.loads is not None else state.loads
     state = dataclasses.replace(
         state, step=p.step, loads=loads, progress_generation=p.generation, progress_at=now,
@@ -349,6 +361,8 @@ def _on_spec(state: JobState, spec: JobSpec, now: float) -> Outcome:
                                    "cannot change while the job exists; create a new job")
                          for p in changed])
     state = dataclasses.replace(state, spec=spec)
+    if state.finished:
+        return Outcome(state)
     if state.plan is None or state.stale:
         return _advance(state, now)
     chosen = _choose(state)
@@ -609,7 +623,11 @@ def conditions(state: JobState, previous: Sequence[dict], now_iso: str,
     plan = state.plan
     spec = state.spec
     usable = len(_usable(state))
-    if plan is None:
+    if state.finished:
+        ready = ("False", SUCCEEDED,
+                 f"trained {state.step} steps (spec.steps is {spec.steps}); the workers "
+                 f"have stopped")
+    elif plan is None:
         ready = ("False", "WaitingForNodes",
                  f"{usable} of {spec.fewest_nodes} needed nodes have a running worker; "
                  f"no plan is published yet")

@@ -98,6 +98,8 @@ class JobSpec:
     template: Mapping = field(default_factory=dict)
     # Where the coordinator pod runs (nodeSelector, tolerations, resources).
     coordinator: Mapping = field(default_factory=dict)
+    # Train this many steps, then finish; None: until the job is deleted.
+    steps: int | None = None
 
     @property
     def slots_per_node(self) -> int:
@@ -189,6 +191,8 @@ def parse_spec(spec: object) -> JobSpec:
         template = {}
     elif gpus:
         _check_gpu_request(p, template, gpus)
+    steps = (p.integer(spec, "spec", "steps", None, minimum=1)
+             if spec.get("steps") is not None else None)
     coordinator = spec.get("coordinator", {})
     if not isinstance(coordinator, Mapping):
         p.bad("spec.coordinator", "InvalidCoordinator", "must be an object")
@@ -199,7 +203,7 @@ def parse_spec(spec: object) -> JobSpec:
         replicas=replicas, gpus_per_node=gpus, slots_per_gpu=slots, min_replicas=f,
         policy=policy, rebalance_every_steps=every, rebalance_min_gain_percent=gain,
         checkpoint=checkpoint, spot_notice_taints=taints, runtime=dict(runtime),
-        template=dict(template), coordinator=dict(coordinator),
+        template=dict(template), coordinator=dict(coordinator), steps=steps,
     )
 
 

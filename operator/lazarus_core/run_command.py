@@ -18,7 +18,8 @@ def register(sub) -> None:
                    help="run the workers as local processes (the only backend of `run`)")
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes to start (default: spec.replicas)")
-    p.add_argument("--steps", type=int, default=30, help="training steps to complete")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps to complete (default: spec.steps, else 30)")
     p.add_argument("--kill", default="",
                    help="failures to inject: STEP:COUNT[,STEP:COUNT...] SIGKILLs COUNT random "
                         "workers as STEP begins; STEP:worker-1+worker-2 names them")
@@ -74,6 +75,8 @@ def run(args) -> int:
     if workers > spec.max_nodes:
         raise ValueError(f"--workers: {workers} exceeds spec.maxNodes ({spec.max_nodes}); "
                          f"raise maxNodes in the manifest or start fewer workers")
+    if args.steps is None:
+        args.steps = spec.steps or 30
     if args.steps < 1:
         raise ValueError(f"--steps: must be >= 1, got {args.steps}")
     kills, joins = parse_kills(args.kill), parse_joins(args.join)

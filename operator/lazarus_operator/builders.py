@@ -158,6 +158,8 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec,
         {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
         {"name": "LAZARUS_COORDINATOR_PORT", "value": str(port)},
     ]
+    if spec.steps is not None:
+        env.append({"name": "LAZARUS_STEPS", "value": str(spec.steps)})
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
     container = {

@@ -251,7 +251,8 @@ class Reconciler:
                 generation = state.plan.generation if state.plan else 0
                 self._event(body, d.reason, d.message, "Warning",
                             f"g{generation}.{d.reason.lower()}")
-        self._delete_pods(obs.doomed, namespace)
+        if not state.finished:  # a finished job's pods stay, with their logs
+            self._delete_pods(obs.doomed, namespace)
         self._right_size(body, spec, state, obs)
         self._patch_status(body, state)
 
@@ -314,6 +315,9 @@ class Reconciler:
                     obs: Observation) -> None:
         """Create the workers the target still lacks; drop starting ones beyond it."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        if state.finished:  # nothing will train on the pods still starting
+            self._delete_pods([(p, False) for p in obs.starting], namespace)
+            return
         missing = state.missing_workers(len(obs.starting))
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6) if i not in obs.used_indices)
@@ -406,6 +410,7 @@ class Reconciler:
             # A stall is counted from now: how long the workers went without a step while
             # no operator ran is not known.
             progress_at=self.clock(),
+            finished=spec.steps is not None and step >= spec.steps,
             settings=self.settings,
         )
 

@@ -97,6 +97,7 @@ class ProgressReporter:
         self.core, self.namespace, self.job = core, namespace, job
         self._pods: dict[str, str] = {}  # node -> worker pod
         self._latest: tuple[str, dict] | None = None
+        self._writing = False
         self._ready = threading.Condition()
 
     def start(self) -> "ProgressReporter":
@@ -106,7 +107,13 @@ class ProgressReporter:
     def report(self, node: str, progress: dict) -> None:
         with self._ready:
             self._latest = (node, progress)
-            self._ready.notify()
+            self._ready.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until the latest report is written (the last one, before exiting)."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._latest is None and not self._writing,
+                                 timeout=timeout_s)
 
     def _write(self) -> None:
         while True:
@@ -114,6 +121,7 @@ class ProgressReporter:
                 self._ready.wait_for(lambda: self._latest is not None)
                 node, progress = self._latest
                 self._latest = None
+                self._writing = True
             try:
                 pod = self._pod_on(node)
                 if pod is not None:
@@ -122,6 +130,9 @@ class ProgressReporter:
             except client.ApiException as e:
                 self._pods.pop(node, None)  # replaced or gone: look it up again next time
                 log.warning("could not report progress on %s's pod: %s", node, e.reason)
+            with self._ready:
+                self._writing = False
+                self._ready.notify_all()
             time.sleep(self.MIN_INTERVAL_S)
 
     def _pod_on(self, node: str) -> str | None:
@@ -137,8 +148,10 @@ class ProgressReporter:
 
 
 class ClusterCoordinator:
-    def __init__(self, chan: JobChannel, plans: PlanFollower, progress: ProgressReporter):
+    def __init__(self, chan: JobChannel, plans: PlanFollower, progress: ProgressReporter,
+                 total_steps: int | None = None):
         self.chan = chan
+        self.total_steps = total_steps
         self.plans = plans
         self.progress = progress
         self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line))
@@ -165,7 +178,10 @@ class ClusterCoordinator:
             self._publish(self.pending, boundary=None)
 
     def _complete(self, prepared: PreparedStep) -> None:
-        if self.pending is not None and self._ready(self.pending):
+        last = self.total_steps is not None and prepared.step >= self.total_steps
+        if last:
+            self.steps.commit(prepared, last=True)  # the workers apply it and stop
+        elif self.pending is not None and self._ready(self.pending):
             self._publish(self.pending, boundary=prepared)
         else:
             self.steps.commit(prepared)
@@ -175,6 +191,10 @@ class ClusterCoordinator:
         self.progress.report(plan.nodes[0].name, {
             "step": prepared.step, "generation": prepared.generation,
             "loads": prepared.reports[0].loads, "checkpointStep": self.chan.checkpoint()})
+        if last:
+            self.progress.flush()  # the operator learns from it that the job is done
+            emit("finished", step=prepared.step)
+            self.stopping.set()
 
     def _ready(self, p: Published) -> bool:
         """Every worker of the plan is up: a plan naming a worker still importing torch
@@ -213,7 +233,8 @@ def _kube_config() -> None:
 
 def main() -> int:
     """Environment (set by the operator): LAZARUS_JOB, LAZARUS_NAMESPACE,
-    LAZARUS_PLAN_CONFIGMAP, LAZARUS_COORDINATOR_PORT."""
+    LAZARUS_PLAN_CONFIGMAP, LAZARUS_COORDINATOR_PORT, and LAZARUS_STEPS for a job that ends
+    after that many steps."""
     logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     names = ("LAZARUS_JOB", "LAZARUS_NAMESPACE", "LAZARUS_PLAN_CONFIGMAP",
@@ -229,7 +250,9 @@ def main() -> int:
     store = dist.TCPStore("0.0.0.0", int(port), is_master=True, wait_for_workers=False)
     coordinator = ClusterCoordinator(JobChannel(store),
                                      PlanFollower(core, namespace, plan_cm).start(),
-                                     ProgressReporter(core, namespace, job).start())
+                                     ProgressReporter(core, namespace, job).start(),
+                                     int(os.environ["LAZARUS_STEPS"])
+                                     if os.environ.get("LAZARUS_STEPS") else None)
     # Deleting the job deletes this pod: tell the workers to stop rather than time out.
     signal.signal(signal.SIGTERM, lambda *_: coordinator.stopping.set())
     emit("serving", port=int(port), job=job)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobkit import JobClient, kubectl, tool
+from jobkit import JobClient, kubectl, settle, tool
 from testcluster import faults
 from testcluster.pooljob import on_pools
 from testcluster.waits import wait_until
@@ -354,3 +354,24 @@ def test_the_operator_killed_mid_reconfiguration_still_converges(cluster, stack,
     commits = stack.commits()
     assert commits == sorted(set(commits)), "a committed step was committed again"
     assert_losses_match(stack, m)
+
+
+def test_a_job_with_spec_steps_trains_that_many_and_finishes(cluster, stack, scratch_nodes):
+    scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+    stack.apply(replicas=2, maxNodes=2, steps=30)
+
+    wait_until(lambda: stack.jobs.condition(stack.name, "Ready").get("reason") == "Succeeded",
+               timeout=STEP_TIMEOUT_S, what="the job's Ready condition to read Succeeded",
+               describe=stack.describe)
+    assert [e["step"] for e in stack.events("finished")] == [30]
+    assert stack.commits() == list(range(1, 31))
+    assert stack.jobs.status(stack.name)["step"] == 30
+
+    def phases():
+        return {p.metadata.name: p.status.phase
+                for p in cluster.core.list_namespaced_pod(stack.namespace).items}
+    # Every process exits 0; the pods stay, with their logs, and none replaces them.
+    wait_until(lambda: set(phases().values()) == {"Succeeded"}, timeout=30,
+               what="the coordinator and workers to exit 0", describe=lambda: str(phases()))
+    settle(3)
+    assert sorted(phases()) == ["e2e-coordinator", "e2e-worker-0", "e2e-worker-1"]

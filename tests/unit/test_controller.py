@@ -319,3 +319,19 @@ def test_no_stall_plan_while_a_lost_node_is_the_reason_or_when_turned_off():
                 if isinstance(d, c.PublishPlan)]
     off = dataclasses.replace(state, settings=c.Settings(start_grace_s=0))
     assert c.handle(off, c.Tick(), T0 + 10_000).decisions == ()
+
+
+def test_a_job_that_trained_spec_steps_is_done_and_recovers_nothing_any_more():
+    spec = job(replicas=4, steps=20)
+    state = c.new_job(spec, c.Settings(start_grace_s=0, stall_s=30))
+    state = c.handle(state, c.NodesJoined(nodes("n0", "n1", "n2", "n3")), T0).state
+    state = c.handle(state, c.Progress(step=19, generation=1), T0 + 1).state
+    assert not state.finished
+    state = c.handle(state, c.Progress(step=20, generation=1), T0 + 2).state
+    assert state.finished and state.missing_workers() == 0
+    # Its workers leave on purpose: no re-plan, no stall plan, no replacements.
+    for event in (c.NodesLost(("n0", "n1", "n2", "n3")), c.Tick()):
+        assert c.handle(state, event, T0 + 1_000).decisions == ()
+    ready = next(x for x in c.status(state, [], "now")["conditions"] if x["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", c.SUCCEEDED)
+    assert "20 steps" in ready["message"]

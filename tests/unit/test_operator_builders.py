@@ -69,6 +69,12 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1)
     assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
     assert svc["spec"]["ports"][0]["port"] == 1234
+    assert "LAZARUS_STEPS" not in env  # trains until deleted
+    finite = builders.build_coordinator_pod("j", "ns", parse_spec(
+        {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
+         "slotsPerGpu": 4, "steps": 300}))
+    assert {e["name"]: e["value"] for e in finite["spec"]["containers"][0]["env"]}[
+        "LAZARUS_STEPS"] == "300"
 
 
 def test_plan_configmap_round_trips_the_plan_and_flags_a_restore():
