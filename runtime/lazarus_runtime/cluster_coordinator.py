@@ -161,12 +161,16 @@ class ClusterCoordinator:
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            self._follow_plans()
-            prepared = self.steps.poll()
-            if prepared is not None:
-                self._complete(prepared)
+            self.tick()
             time.sleep(0.002)
         self.chan.stop()
+
+    def tick(self) -> None:
+        """Take the newest plan if it can be published now, then commit a prepared step."""
+        self._follow_plans()
+        prepared = self.steps.poll()
+        if prepared is not None:
+            self._complete(prepared)
 
     def _follow_plans(self) -> None:
         newest = self.plans.newest()

@@ -127,9 +127,13 @@ class LocalJob:
     def _node(self, name: str) -> NodeSpec:
         return NodeSpec(name, gpus=1, slots_per_gpu=self.spec.slots_per_node, zone="local")
 
-    def _live(self) -> list[NodeSpec]:
-        return [self._node(n) for n, p in sorted(self.procs.items())
-                if n in self.admitted and p.poll() is None and self.chan.said_hello(n)]
+    def _running(self) -> set[str]:
+        return {n for n, p in self.procs.items() if p.poll() is None}
+
+    def _live(self, running: set[str]) -> list[NodeSpec]:
+        """The admitted workers among ``running`` that have started."""
+        return [self._node(n) for n in sorted(running)
+                if n in self.admitted and self.chan.said_hello(n)]
 
     def _kill(self, names: list[str], when: str = "as step {} began") -> None:
         for n in names:
@@ -187,7 +191,8 @@ class LocalJob:
             self._await_hellos(list(self.procs), start)
             self.training_from = time.monotonic()  # every worker is up
             self.next_kill_at = self.training_from + (self.kill_every_s or 0.0)
-            self._apply(core.handle_all(self.state, core.observe(self.state, self._live(), ()),
+            self._apply(core.handle_all(self.state, core.observe(self.state,
+                                                                 self._live(self._running()), ()),
                                         time.time()))
             while self.steps_done.committed < self.steps:
                 if time.monotonic() - start > self.timeout_s:
@@ -228,13 +233,17 @@ class LocalJob:
             self._complete(prepared)
 
     def _membership_events(self) -> list:
-        dead = [n for n in self.state.alive if self.procs[n].poll() is not None]
-        if dead:
+        # One look at the processes decides both whether to restart (the baseline) and who
+        # is live: a worker dying between two looks would otherwise be re-planned around
+        # without the restart. A death after the look is seen at the next tick.
+        running = self._running()
+        if any(n not in running for n in self.state.alive):
             time.sleep(_SETTLE_S)
+            if self.restart_on_failure:
+                self._restart_survivors()
+            running = self._running()
         self.detected_at = time.monotonic()
-        if dead and self.restart_on_failure:
-            self._restart_survivors()
-        return core.observe(self.state, self._live(), ())
+        return core.observe(self.state, self._live(running), ())
 
     def _complete(self, prepared: PreparedStep) -> None:
         """Every rank prepared the step: let the controller see it, then commit it."""

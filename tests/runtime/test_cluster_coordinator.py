@@ -1,0 +1,137 @@
+"""The coordinator pod's decisions, against a real store: when a plan from the operator is
+published (at once, or at the step boundary), what it waits for, and how a job ends.
+
+The workers' side of the channel is played by hand here (hello, fetched, prepared), so
+each decision is visible as the keys the real workers would read."""
+import datetime
+import threading
+
+import pytest
+
+pytest.importorskip("kubernetes")  # the coordinator talks to the API server
+
+import torch.distributed as dist  # noqa: E402
+from lazarus_core.controller import STALLED  # noqa: E402
+from lazarus_core.solver import plan_job, replan  # noqa: E402
+from lazarus_core.topology import NodeSpec  # noqa: E402
+
+from lazarus_runtime.cluster_coordinator import ClusterCoordinator, Published  # noqa: E402
+from lazarus_runtime.job_channel import JobChannel, StepReport  # noqa: E402
+
+NODES = [NodeSpec(f"n{i}", 1, 4, zone=f"z{i % 2}") for i in range(4)]
+
+
+class Plans:
+    def __init__(self):
+        self.published: Published | None = None
+
+    def newest(self) -> Published | None:
+        return self.published
+
+
+class Progress:
+    def __init__(self):
+        self.reports: list[tuple[str, dict]] = []
+        self.flushed = threading.Event()
+
+    def report(self, node: str, progress: dict) -> None:
+        self.reports.append((node, progress))
+
+    def flush(self) -> None:
+        self.flushed.set()
+
+
+@pytest.fixture
+def job():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    chan, plans, progress = JobChannel(store), Plans(), Progress()
+    yield chan, plans, progress
+    del store
+
+
+def first_plan():
+    return plan_job(NODES, experts=4, layers=2, min_replicas=2)
+
+
+def running(chan, plans, progress, **options) -> ClusterCoordinator:
+    """A coordinator whose generation 1 is published and adopted by the 4 workers."""
+    coord = ClusterCoordinator(chan, plans, progress, **options)
+    plans.published = Published(first_plan(), frozenset())
+    for n in NODES[:3]:
+        chan.hello(n.name)
+    coord.tick()
+    assert chan.latest() == 0, "published before every worker said hello"
+    chan.hello(NODES[3].name)
+    coord.tick()
+    assert chan.latest() == 1
+    for _ in NODES:
+        chan.fetched(1)
+    coord.tick()
+    assert coord.steps.adopted is not None
+    return coord
+
+
+def prepare(chan, generation: int, step: int, world: int) -> None:
+    for rank in range(world):
+        chan.prepare(generation, step, rank, StepReport(loss=1.0, sample_ids=(rank,)))
+
+
+def test_a_plan_without_a_live_member_is_published_at_once_and_the_step_is_dropped(job):
+    chan, plans, progress = job
+    coord = running(chan, plans, progress)
+    prepare(chan, 1, 1, world=3)  # step 1 half prepared when n3 is lost
+    lost = replan(first_plan(), NODES[:3], "NodeLost", {n.name for n in NODES[:3]}).plan
+    plans.published = Published(lost, frozenset())
+
+    coord.tick()
+
+    assert chan.latest() == 2
+    assert chan.directive(2).start_step == 1  # step 1 is redone under generation 2
+    assert not chan.store.check(["lazarus/commit/1/1"])
+
+
+def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
+    chan, plans, progress = job
+    coord = running(chan, plans, progress)
+    joiner = NodeSpec("n4", 1, 4, zone="z0")
+    grown = replan(first_plan(), NODES + [joiner], "NodeJoined",
+                   {n.name for n in NODES}).plan
+    plans.published = Published(grown, frozenset())
+
+    prepare(chan, 1, 1, world=4)
+    coord.tick()  # the joiner has not said hello: step 1 commits under generation 1
+    assert chan.latest() == 1 and chan.store.get("lazarus/commit/1/1") == b"1"
+    chan.hello("n4")
+    coord.tick()
+    assert chan.latest() == 1, "growth must wait for a step boundary"
+    prepare(chan, 1, 2, world=4)
+    coord.tick()
+
+    # Step 2 is committed and, in the same breath, the workers are sent to generation 2.
+    assert chan.store.get("lazarus/commit/1/2") == b"2" and chan.latest() == 2
+    directive = chan.directive(2)
+    assert directive.start_step == 3 and directive.joiners == ("n4",)
+    assert [p["step"] for _, p in progress.reports] == [1, 2]
+
+
+def test_a_stalled_plan_is_published_at_once_though_every_member_is_alive(job):
+    chan, plans, progress = job
+    coord = running(chan, plans, progress)
+    again = replan(first_plan(), NODES, STALLED, {n.name for n in NODES}).plan
+    plans.published = Published(again, frozenset())
+
+    coord.tick()
+
+    assert chan.latest() == 2 and chan.directive(2).transfers == ()
+
+
+def test_the_last_step_stops_the_workers_and_the_coordinator(job):
+    chan, plans, progress = job
+    coord = running(chan, plans, progress, total_steps=2)
+    for step in (1, 2):
+        prepare(chan, 1, step, world=4)
+        coord.tick()
+
+    assert chan.stopped() and coord.stopping.is_set() and progress.flushed.is_set()
+    assert progress.reports[-1][1]["step"] == 2
