@@ -405,7 +405,7 @@ def _stalled(state: JobState, now: float) -> bool:
     the last report, whichever is later (an operator that just restarted counts from now)."""
     if not state.settings.stall_s or state.stale:
         return False  # a lost node's own re-plan is on its way
-    since = max(t for t in (state.progress_at, state.changed_at, 0.0) if t is not None)
+    since = max(state.progress_at or 0.0, state.changed_at or 0.0)
     return since > 0 and now - since >= state.settings.stall_s
 
 

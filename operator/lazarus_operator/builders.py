@@ -24,7 +24,7 @@ from collections.abc import Mapping
 # The names the coordinator pod shares; the operator's modules take them from here.
 from lazarus_core.cluster_contract import (DRAINING_KEY, GROUP, JOB_LABEL,  # noqa: F401
                                            PLAN_KEY, PROGRESS_ANNOTATION, RESTORE_KEY,
-                                           ROLE_LABEL)
+                                           ROLE_LABEL, training_env)
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.plan import Plan
 
@@ -79,14 +79,11 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         {"name": "LAZARUS_NAMESPACE", "value": namespace},
         {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
         {"name": "LAZARUS_WORKERS_SERVICE", "value": service_name(job)},
-        {"name": "LAZARUS_RUNTIME", "value": json.dumps(dict(spec.runtime), sort_keys=True)},
         {"name": "LAZARUS_GPUS_PER_NODE", "value": str(spec.gpus_per_node)},
         {"name": "LAZARUS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "LAZARUS_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
-    if spec.checkpoint is not None:
-        env += [{"name": "LAZARUS_CHECKPOINT_PATH", "value": spec.checkpoint.path},
-                {"name": "LAZARUS_CHECKPOINT_EVERY_STEPS", "value": str(spec.checkpoint.every_steps)}]
+    env += [{"name": k, "value": v} for k, v in training_env(spec).items()]
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
     container = {

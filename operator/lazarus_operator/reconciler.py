@@ -49,7 +49,7 @@ class _Job:
     guard: threading.Lock = field(default_factory=threading.Lock)
     dirty: bool = False
     running: bool = False
-    service_ready: bool = False
+    objects_ready: bool = False
     retry: threading.Timer | None = None
     # The job's worker pods as the watch last delivered them (see ``_worker_pods``).
     pods: dict[str, dict] = field(default_factory=dict)
@@ -239,7 +239,7 @@ class Reconciler:
         state = outcome.state
         restores = {d.generation: d for d in outcome.decisions
                     if isinstance(d, core.RestoreCheckpoint)}
-        self._ensure_service(body, spec)
+        self._ensure_job_objects(body, spec)
         for d in outcome.decisions:
             if isinstance(d, core.PublishPlan):
                 self._publish(body, d, restores.get(d.plan.generation), state.draining, obs,
@@ -325,14 +325,8 @@ class Reconciler:
                                           self.coordinator_port)
                 for _ in range(missing)]
 
-        def create(pod: dict) -> None:
-            kopf.adopt(pod, owner=body)
-            try:
-                self.core.create_namespaced_pod(namespace, pod)
-            except ApiException as e:
-                if e.status != 409:  # 409: created by a pass before a restart
-                    raise
-        list(self._batch.map(create, pods))
+        list(self._batch.map(
+            lambda pod: self._create_owned(body, self.core.create_namespaced_pod, pod), pods))
         usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
         excess = usable + len(obs.starting) - spec.target_nodes
         if excess > 0:
@@ -471,27 +465,31 @@ class Reconciler:
             written = self.core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
         job.plan_version = written.metadata.resource_version
 
-    def _ensure_service(self, body: dict, spec: JobSpec) -> None:
+    def _ensure_job_objects(self, body: dict, spec: JobSpec) -> None:
         """The workers' Service, and the coordinator's pod and Service: created once per job
         ("already exists" after an operator restart is the normal case)."""
-        key = (body["metadata"]["namespace"], body["metadata"]["name"])
-        job = self._job(key)
-        if job.service_ready:
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        job = self._job((namespace, name))
+        if job.objects_ready:
             return
         port = self.coordinator_port
-        for obj, create in (
-                (builders.build_workers_service(key[1], key[0]), self.core.create_namespaced_service),
-                (builders.build_coordinator_service(key[1], key[0], port),
-                 self.core.create_namespaced_service),
-                (builders.build_coordinator_pod(key[1], key[0], spec, port),
-                 self.core.create_namespaced_pod)):
-            kopf.adopt(obj, owner=body)
-            try:
-                create(key[0], obj)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-        job.service_ready = True
+        self._create_owned(body, self.core.create_namespaced_service,
+                           builders.build_workers_service(name, namespace))
+        self._create_owned(body, self.core.create_namespaced_service,
+                           builders.build_coordinator_service(name, namespace, port))
+        self._create_owned(body, self.core.create_namespaced_pod,
+                           builders.build_coordinator_pod(name, namespace, spec, port))
+        job.objects_ready = True
+
+    @staticmethod
+    def _create_owned(body: dict, create, obj: dict) -> None:
+        """Create ``obj`` owned by the job; one a pass before a restart created is kept."""
+        kopf.adopt(obj, owner=body)
+        try:
+            create(obj["metadata"]["namespace"], obj)
+        except ApiException as e:
+            if e.status != 409:
+                raise
 
     def _delete_pods(self, pods: list[tuple[str, bool]], namespace: str) -> None:
         def delete(item):

@@ -14,7 +14,6 @@ job goes on from the last checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import signal
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from lazarus_core import controller as core
+from lazarus_core.cluster_contract import training_env
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.topology import NodeSpec
 
@@ -113,13 +113,9 @@ class LocalJob:
 
     def _spawn(self, name: str) -> None:
         # The environment a worker pod gets from the operator (lazarus_operator.builders).
+        checkpoint = str(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         env = dict(os.environ, **self.worker_env, LAZARUS_COORDINATOR=f"127.0.0.1:{self.port}",
-                   LAZARUS_NODE_NAME=name,
-                   LAZARUS_RUNTIME=json.dumps(dict(self.spec.runtime), sort_keys=True))
-        checkpoint = self.spec.checkpoint
-        if self.checkpoint_dir is not None or checkpoint is not None:
-            env["LAZARUS_CHECKPOINT_PATH"] = str(self.checkpoint_dir or checkpoint.path)
-            env["LAZARUS_CHECKPOINT_EVERY_STEPS"] = str(checkpoint.every_steps if checkpoint else 0)
+                   LAZARUS_NODE_NAME=name, **training_env(self.spec, checkpoint))
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "lazarus_runtime.worker"], env=env,
             stdin=subprocess.DEVNULL)

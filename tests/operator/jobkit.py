@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from testcluster.pooljob import SPOT_TOLERATIONS
 from testcluster.waits import wait_until
 
 CACHE = Path(os.environ.get("LAZARUS_CACHE", Path.home() / ".cache" / "lazarus"))
@@ -93,10 +94,7 @@ def make_job(name: str, namespace: str, **spec) -> dict:
             "image": "lazarus-runtime:test",
             "resources": {"limits": {"nvidia.com/gpu": 1}},
             "nodeSelector": {"lazarus.dev/scratch": namespace},
-            "tolerations": [
-                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                {"key": "cloud.google.com/gke-spot", "operator": "Exists", "effect": "NoSchedule"},
-            ],
+            "tolerations": SPOT_TOLERATIONS,
         },
     }
     for key, value in spec.items():
