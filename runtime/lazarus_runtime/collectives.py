@@ -50,10 +50,16 @@ class Collectives:
                 work.wait(timeout=datetime.timedelta(seconds=self.poll_s))
                 return
             except RuntimeError as e:
-                # gloo reports an expired slice as a timeout on a still-pending work item;
-                # anything else (a peer closing its connection) is a real failure.
-                if work.is_completed() or "timed out" not in str(e).lower():
+                # gloo reports an expired slice as a timeout; anything else (a peer closing
+                # its connection) is a real failure.
+                if "timed out" not in str(e).lower():
                     raise
+                if work.is_completed():
+                    # It finished between the slice's expiry and this look (peers a slice
+                    # late hit this every few hundred collectives): a second wait returns
+                    # at once, or raises the work's own error.
+                    work.wait()
+                    return
             if self.interrupted():
                 raise CollectiveInterrupted("a new plan generation interrupted a collective")
             if time.monotonic() > deadline:

@@ -46,3 +46,33 @@ def test_waits_are_interruptible_and_bounded():
     # wait out the peer's 3 s.
     assert 0.3 <= rank0["interrupted_after"] < 1.5
     assert 0.5 <= rank0["timed_out_after"] < 1.8
+
+
+class _LateWork:
+    """A work item that completes just after a wait slice expired, as gloo's do when a peer
+    arrives at the end of the slice; ``error`` is what the finished work raises."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+        self.done = False
+
+    def wait(self, timeout=None):
+        if not self.done and timeout is not None:
+            self.done = True  # the peer's data lands right after the slice's expiry
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_work_finishing_right_after_a_slice_expires_is_a_success():
+    comm = Collectives.single()
+    comm.wait(_LateWork())  # no exception: the collective succeeded
+
+
+def test_work_that_finished_with_an_error_still_raises_it():
+    comm = Collectives.single()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        comm.wait(_LateWork(RuntimeError("Connection closed by peer")))
