@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lazarus_core.plan import Plan
 
 ExpertKey = tuple[int, int]
 
@@ -42,6 +43,17 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def owned_experts(plan: Plan, rank: int) -> list[ExpertKey]:
+    """The experts ``rank`` saves under ``plan``: those it is the lowest-ranked holder of, so
+    every expert is written exactly once."""
+    owners: dict[ExpertKey, int] = {}
+    for layer in range(len(plan.layers)):
+        for r in range(plan.world_size):  # ascending: the first holder seen is the lowest
+            for e in plan.rank_experts(layer, r):
+                owners.setdefault((layer, e), r)
+    return [key for key, owner in owners.items() if owner == rank]
 
 
 def write_shard(root: Path, step: int, rank: int, experts: dict[ExpertKey, dict],

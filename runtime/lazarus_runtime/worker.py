@@ -237,14 +237,8 @@ class Worker:
         every = self.settings.checkpoint_every
         if not every or step % every or self.settings.checkpoint_dir is None:
             return
-        owned = {}
-        for layer, plan_layer in enumerate(d.plan.layers):
-            for e in range(d.plan.experts):
-                holder = min(n.ranks[s // n.slots_per_rank]
-                             for n, slots in zip(d.plan.nodes, plan_layer.placement)
-                             for s, x in enumerate(slots) if x == e)
-                if holder == rank:
-                    owned[(layer, e)] = self.engine.expert_state((layer, e))
+        owned = {key: self.engine.expert_state(key)
+                 for key in checkpoint.owned_experts(d.plan, rank)}
         dense = self.engine.dense_state() if rank == 0 else None
         info = checkpoint.write_shard(self.settings.checkpoint_dir, step, rank, owned, dense)
         self.chan.checkpoint_written(d.generation, step, rank, info)
