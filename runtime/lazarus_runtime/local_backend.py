@@ -82,7 +82,7 @@ class LocalJob:
                  on_progress: Callable[[dict], None] = lambda status: None,
                  worker_env: dict[str, str] | None = None, timeout_s: float = 600.0,
                  kill_every_s: float | None = None, duration_s: float | None = None,
-                 restart_on_failure: bool = False, restart_wait_s: float = 0.0):
+                 restart_on_failure: bool = False):
         self.name = name
         self.spec = dataclasses.replace(spec, replicas=workers)
         self.workers = workers
@@ -101,10 +101,6 @@ class LocalJob:
         # kill_every_s, a run of fixed length whatever the failures cost.
         self.duration_s = duration_s
         self.restart_on_failure = restart_on_failure
-        # How long the restarted baseline waits before it trains again: torchrun's elastic
-        # rendezvous waits its last-call timeout (30 s by default in torch 2.15) whenever
-        # fewer than the maximum number of nodes rejoin, as after a lost node.
-        self.restart_wait_s = restart_wait_s
         cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
         self.batches = StepBatches.from_config(cfg.data, cfg.model.seq_len, cfg.model.vocab)
         self.tokens_per_step = cfg.data.global_batch * cfg.model.seq_len
@@ -155,7 +151,6 @@ class LocalJob:
             self._spawn(n)
         self.admitted.update(fresh)
         self._await_hellos(fresh, time.monotonic())
-        time.sleep(self.restart_wait_s)
         self.on_event(f"restarted {len(fresh)} workers from scratch")
 
     # --- the run -------------------------------------------------------------------------
