@@ -9,7 +9,7 @@ an error, and torchrun's elastic agent restarts every worker of the job: the beh
 Environment: torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT), BENCH_MANIFEST (the LazarusJob manifest: runtime, slots,
 replicas, placement, checkpoint path and interval) and BENCH_EVENTS, a file to which every
-worker appends one JSON line when it is up and rank 0 one per completed step.
+worker appends one JSON line when it is up and rank 0 one per completed step (with its loss).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def main() -> None:
         record(events, event="restored", step=step - 1, restart=restart)
 
     while True:
-        engine.prepare(step)
+        loss = engine.prepare(step).loss
         engine.apply()
         if every and step % every == 0:
             owned = {key: engine.expert_state(key)
@@ -86,7 +86,7 @@ def main() -> None:
             if rank == 0:
                 checkpoint.write_manifest(ckpt_dir, step, shards)
         if rank == 0:
-            record(events, event="step", step=step, restart=restart)
+            record(events, event="step", step=step, restart=restart, loss=loss)
         step += 1
 
 
