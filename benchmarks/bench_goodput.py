@@ -41,11 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from lazarus_core.job_spec import parse_manifest
 from lazarus_runtime.config import RuntimeConfig
 from lazarus_runtime.local_backend import RunResult
 
-from bench_recovery import SPEC, WORKERS, manifest, run_job
+from bench_recovery import EXAMPLE, SPEC, WORKERS, manifest, run_job
 from torchrun_baseline import FAST_RDZV, TorchrunRun, run_torchrun
 
 # Far more steps than fit in the duration: the duration ends the run.
@@ -110,8 +109,8 @@ def main() -> None:
                       f"every {args.kill_every:g} s", flush=True)
                 name = f"{label.replace(' ', '-').replace(',', '')}-{n}"
                 runs[label].append(run_strategy(label, Path(tmp), name, args))
-        _, spec = parse_manifest(yaml.safe_load(manifest(Path(tmp), "spec", **SPEC).read_text()))
-    global_batch = RuntimeConfig.from_manifest(dict(spec.runtime)).data.global_batch
+    runtime = yaml.safe_load(EXAMPLE.read_text())["spec"]["runtime"]
+    global_batch = RuntimeConfig.from_manifest(runtime).data.global_batch
 
     rates = {label: samples_per_minute(rs, global_batch) for label, rs in runs.items()}
     print(f"\nGoodput, {WORKERS} workers, one SIGKILL every {args.kill_every:g} s, checkpoint "

@@ -42,12 +42,16 @@ class Events:
 
     path: Path
     offset: int = 0
-    up: dict[int, set[int]] = field(default_factory=dict)  # restart count -> ranks up
+    first_up: set[int] = field(default_factory=set)  # ranks of the first round up
     rounds: int = 0          # training rounds that restored (or started) and trained
-    best: int = 0            # final progress: the highest step completed
     redone: int = 0          # steps completed again after a restore
     steps: list[tuple[int, float]] = field(default_factory=list)  # (step, time), all
     progress: list[tuple[int, float]] = field(default_factory=list)  # new steps only
+
+    @property
+    def best(self) -> int:
+        """Final progress: the highest step completed."""
+        return self.progress[-1][0] if self.progress else 0
 
     def read(self) -> None:
         if not self.path.exists():
@@ -59,15 +63,14 @@ class Events:
         self.offset += len(complete.encode())
         for line in complete.splitlines():
             e = json.loads(line)
-            if e["event"] == "up":
-                self.up.setdefault(e["restart"], set()).add(e["rank"])
+            if e["event"] == "up" and e["restart"] == 0:
+                self.first_up.add(e["rank"])
             elif e["event"] == "restored":
                 self.rounds += 1
             elif e["event"] == "step":
                 if e["step"] <= self.best:
                     self.redone += 1
                 else:
-                    self.best = e["step"]
                     self.progress.append((e["step"], e["t"]))
                 self.steps.append((e["step"], e["t"]))
 
@@ -127,7 +130,7 @@ def run_torchrun(manifest: Path, name: str, workers: int, kill_every_s: float,
     kills: list[float] = []
     try:
         start = time.monotonic()
-        while len(events.up.get(0, ())) < workers:
+        while len(events.first_up) < workers:
             if time.monotonic() - start > 180:
                 raise TimeoutError(f"{name}: torchrun workers not up within 180 s; see "
                                    f"{workdir}/{name}.agent-*.log")

@@ -65,10 +65,7 @@ def main() -> None:
     step = 1
     latest = checkpoint.latest(ckpt_dir)
     if latest is not None:
-        dense, experts = latest.load(set(engine.held_experts()))
-        engine.load_dense_state(dense)
-        for key, state in experts.items():
-            engine.load_expert_state(key, state)
+        engine.load_state(*latest.load(set(engine.held_experts())))
         step = latest.step + 1
     if rank == 0:
         record(events, event="restored", step=step - 1, restart=restart)

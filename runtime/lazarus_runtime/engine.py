@@ -164,6 +164,13 @@ class Engine:
     def load_dense_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self._load_state(self.model.dense_parameters(), state)
 
+    def load_state(self, dense: Mapping[str, torch.Tensor],
+                   experts: Mapping[ExpertKey, Mapping[str, torch.Tensor]]) -> None:
+        """Dense and expert state from elsewhere (survivors, a checkpoint): a whole worker's."""
+        self.load_dense_state(dense)
+        for key, state in experts.items():
+            self.load_expert_state(key, state)
+
     def _state_of(self, named_params) -> dict[str, torch.Tensor]:
         state = {}
         for name, p in named_params:

@@ -165,9 +165,7 @@ class Worker:
             self.engine = Engine(self.cfg, d.plan, rank, comm, self.batches,
                                  self.settings.device)
             if dense is not None:  # a joiner: every tensor comes from the survivors
-                self.engine.load_dense_state(dense)
-                for key, state in experts.items():
-                    self.engine.load_expert_state(key, state)
+                self.engine.load_state(dense, experts)
             self.committed = d.start_step - 1
         else:
             self.engine.reconfigure(d.plan, rank, comm, experts)
@@ -201,10 +199,7 @@ class Worker:
             if ck is None or ck.step != d.restore_step:
                 raise RuntimeError(f"checkpoint of step {d.restore_step} not found in "
                                    f"{self.settings.checkpoint_dir}")
-            dense, experts = ck.load(set(engine.held_experts()))
-            engine.load_dense_state(dense)
-            for key, state in experts.items():
-                engine.load_expert_state(key, state)
+            engine.load_state(*ck.load(set(engine.held_experts())))
         self.engine = engine
         self.committed = d.restore_step
         log.info("%s: restored step %d for generation %d", self.node, d.restore_step,
