@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from lazarus_runtime.config import RuntimeConfig
+from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_runtime.local_backend import RunResult
 
 from bench_recovery import EXAMPLE, SPEC, WORKERS, manifest, run_job

@@ -10,12 +10,12 @@ import subprocess
 import sys
 import tempfile
 
-POLICIES = ("mro", "spread", "compact")
+from lazarus_core.plan import POLICIES
 
 
 def plan(experts: int, loads: str, policy: str, layers: int = 1) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "lazarus_core.cli", "plan", "--nodes", "10", "--slots", "6",
+        [sys.executable, "-m", "lazarus_cli.main", "plan", "--nodes", "10", "--slots", "6",
          "--experts", str(experts), "--layers", str(layers), "--min-replicas", "2",
          "--loads", loads, "--failures", "5", "--policy", policy, "--json"],
         check=True, capture_output=True, text=True)

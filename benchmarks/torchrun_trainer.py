@@ -27,7 +27,7 @@ from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
 from lazarus_runtime import checkpoint
 from lazarus_runtime.collectives import Collectives
-from lazarus_runtime.config import RuntimeConfig
+from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_runtime.data import StepBatches
 from lazarus_runtime.engine import Engine
 

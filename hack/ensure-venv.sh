@@ -43,9 +43,11 @@ if [ ! -f "$venv/.complete" ]; then
   log "Python environment ready in $((SECONDS - start)) s"
 fi
 
-# The venv may be shared by several clones: point its editable install at this one.
-if [ "$(cat "$venv/.source" 2>/dev/null)" != "$LAZARUS_ROOT" ]; then
+# The venv may be shared by several clones: point its editable install (and its console
+# scripts, which pyproject.toml names) at this one, again whenever pyproject.toml changes.
+source_id="$LAZARUS_ROOT $(sha256sum "$LAZARUS_ROOT/pyproject.toml" | cut -c1-12)"
+if [ "$(cat "$venv/.source" 2>/dev/null)" != "$source_id" ]; then
   quietly "$venv/bin/pip" install --no-deps --no-build-isolation -e "$LAZARUS_ROOT"
-  echo "$LAZARUS_ROOT" > "$venv/.source"
+  echo "$source_id" > "$venv/.source"
 fi
 echo "$venv"

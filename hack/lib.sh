@@ -3,6 +3,10 @@
 # so a second run (or a second clone on the same machine) reuses it.
 LAZARUS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LAZARUS_CACHE="${LAZARUS_CACHE:-$HOME/.cache/lazarus}"
+# The cached venv is shared by every clone on the machine; its editable install points at
+# one of them. This checkout's packages come first on the path of everything started from
+# here (tests, workers, the operator), whichever clone the venv last pointed at.
+export PYTHONPATH="$LAZARUS_ROOT/operator:$LAZARUS_ROOT/runtime${PYTHONPATH:+:$PYTHONPATH}"
 
 log() { printf '[lazarus] %s\n' "$*" >&2; }
 die() { printf '[lazarus] error: %s\n' "$*" >&2; exit 1; }

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .placement import POLICIES
+from .plan import POLICIES
 
 API_VERSION = "lazarus.dev/v1alpha1"
 KIND = "LazarusJob"

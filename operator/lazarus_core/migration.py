@@ -17,21 +17,13 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 
-from .plan import Plan
+from .plan import Plan, Transfer
 from .topology import NodeSpec
 
 Placement = list[list[int]]
 
 # A mapping across zones or slot counts would change the plan's failure domains.
 _FORBIDDEN = 1e9
-
-
-@dataclass(frozen=True)
-class Transfer:
-    layer: int
-    expert: int
-    source: str
-    destination: str
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 Placement = list[list[int]]  # node position -> expert ids, one per slot
 
-POLICIES = ("mro", "spread", "compact")
 
 
 def _check(replicas: Sequence[int], slots: Sequence[int]) -> None:

@@ -13,6 +13,11 @@ import json
 from dataclasses import asdict, dataclass, field
 
 SCHEMA_VERSION = "lazarus.dev/plan/v1"
+# Placement policies a plan can be made with (spec.placement).
+POLICIES = ("mro", "spread", "compact")
+
+# One expert of one MoE layer: (layer, expert id).
+ExpertKey = tuple[int, int]
 
 
 class PlanError(ValueError):
@@ -132,6 +137,17 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError([f"plan: not valid JSON ({e})"]) from None
         return cls.from_dict(d)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One expert replica's state (weights and optimizer moments) sent from a node that
+    holds it to a node of the new plan that lacks it."""
+
+    layer: int
+    expert: int
+    source: str
+    destination: str
 
 
 def _shape_violations(d) -> list[str]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from .allocation import allocate_replicas
 from .migration import Migration, map_nodes_optimal, plan_transfers
 from .mro import mro
-from .placement import POLICIES, Placement, compact, spread
-from .plan import LayerPlan, Plan, PlanNode, validate
+from .placement import Placement, compact, spread
+from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
 from .recovery import recovery_table
 from .topology import NodeSpec, check_nodes, failure_domain_order
 

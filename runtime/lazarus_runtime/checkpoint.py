@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lazarus_core.plan import Plan
-
-ExpertKey = tuple[int, int]
-
+from lazarus_core.plan import ExpertKey, Plan
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted: missing shard, bad checksum."""

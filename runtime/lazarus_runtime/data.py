@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import DataConfig
+from lazarus_core.runtime_config import DataConfig
 
 
 def generate_corpus(num_tokens: int, vocab: int, seed: int) -> np.ndarray:

@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from lazarus_core.plan import Plan
+from lazarus_core.plan import ExpertKey, Plan
+from lazarus_core.runtime_config import RuntimeConfig
 
 from .collectives import Collectives
-from .config import RuntimeConfig
 from .data import StepBatches
 from .dispatcher import LocalDispatcher, ReplicaDispatcher
 from .kernels import kernel_backend
 from .model import ExpertFFN, MoEGPT, expert_generator
-from .replica_sync import ExpertKey, sum_over_replicas, sync_schedule
+from .replica_sync import sum_over_replicas, sync_schedule
 
 log = logging.getLogger("lazarus.engine")
 

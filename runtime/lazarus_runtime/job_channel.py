@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
-from lazarus_core.migration import Transfer
-from lazarus_core.plan import Plan
+from lazarus_core.plan import Plan, Transfer
 
 _PREFIX = "lazarus/"
 

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from lazarus_core import controller as core
 from lazarus_core.cluster_contract import training_env
 from lazarus_core.job_spec import JobSpec
+from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.topology import NodeSpec
 
-from .config import RuntimeConfig
 from .coordination import PreparedStep, StepCoordinator
 from .data import StepBatches
 from .job_channel import JobChannel

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from lazarus_core.runtime_config import ModelConfig
 
 INIT_STD = 0.02
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lazarus_core.plan import ExpertKey
+
 from .collectives import Collectives
 
-ExpertKey = tuple[int, int]  # (layer, expert)
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,17 @@ optimizer state exists exactly when at least one step has been committed.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-
-import functools
-
-from lazarus_core.migration import Transfer
+from lazarus_core.plan import ExpertKey, Transfer
+from lazarus_core.runtime_config import ModelConfig
 
 from .collectives import Collectives
-from .config import ModelConfig
 from .engine import Engine
 from .model import ExpertFFN, MoEGPT
-from .replica_sync import ExpertKey
 
 Layout = list[tuple[str, torch.Size]]
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lazarus_core.runtime_config import RuntimeConfig
 
 from . import checkpoint
 from .collectives import Collectives, CollectiveInterrupted, CollectiveTimeout
-from .config import RuntimeConfig
 from .data import StepBatches
 from .engine import Engine
 from .job_channel import ChannelTimeout, Directive, JobChannel, StepReport

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazarus_runtime.config import DataConfig
+from lazarus_core.runtime_config import DataConfig
 from lazarus_runtime.data import StepBatches, generate_corpus, open_tokens
 
 SEQ = 16

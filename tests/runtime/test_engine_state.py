@@ -6,7 +6,7 @@ import pytest
 from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
 from lazarus_runtime.collectives import Collectives
-from lazarus_runtime.config import RuntimeConfig
+from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_runtime.engine import Engine
 
 CFG = RuntimeConfig.from_manifest({"model": "tiny", "globalBatch": 4, "generatedTokens": 5_000,

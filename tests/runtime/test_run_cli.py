@@ -9,7 +9,7 @@ EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 
 
 def lazarus(*args):
-    return subprocess.run([sys.executable, "-m", "lazarus_core.cli", "run", *args],
+    return subprocess.run([sys.executable, "-m", "lazarus_cli.main", "run", *args],
                           capture_output=True, text=True, timeout=60)
 
 

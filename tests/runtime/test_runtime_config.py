@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lazarus_runtime.config import NAMED_MODELS, RuntimeConfig
+from lazarus_core.runtime_config import NAMED_MODELS, RuntimeConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -16,7 +16,7 @@ from lazarus_core.plan import Plan
 from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
 from lazarus_runtime.collectives import Collectives
-from lazarus_runtime.config import RuntimeConfig
+from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_runtime.engine import Engine
 
 STEPS = 20

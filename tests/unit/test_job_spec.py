@@ -107,7 +107,7 @@ def test_every_example_parses():
 
 def test_every_example_is_a_runtime_config_the_workers_accept():
     # The operator keeps spec.runtime free-form; the workers' parser must accept what we ship.
-    config = pytest.importorskip("lazarus_runtime.config")
+    config = pytest.importorskip("lazarus_core.runtime_config")
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         _, spec = parse_manifest(yaml.safe_load(path.read_text()))
         model = config.RuntimeConfig.from_manifest(dict(spec.runtime)).model

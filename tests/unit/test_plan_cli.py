@@ -7,7 +7,7 @@ import pytest
 
 
 def lazarus(*args):
-    return subprocess.run([sys.executable, "-m", "lazarus_core.cli", *args],
+    return subprocess.run([sys.executable, "-m", "lazarus_cli.main", *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -6,10 +6,10 @@ that are exact in binary: a 0.5 s step, a 2 GB state written at 1 GB/s (2 s) and
 """
 import pytest
 
-from lazarus_core.simulate.engine import CATEGORIES
-from lazarus_core.simulate.strategies import CheckpointRestart, ElasticRestart, Lazarus
-from lazarus_core.simulate.trace import Event, make_trace
-from lazarus_core.simulate.workload import Costs, ModelSpec
+from lazarus_sim.engine import CATEGORIES
+from lazarus_sim.strategies import CheckpointRestart, ElasticRestart, Lazarus
+from lazarus_sim.trace import Event, make_trace
+from lazarus_sim.workload import Costs, ModelSpec
 from lazarus_core.topology import NodeSpec
 
 MODEL = ModelSpec("toy", experts=1, layers=1, expert_mb=500, dense_gb=1.5, step_s=0.5,

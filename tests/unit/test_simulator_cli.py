@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from lazarus_core.cli import main
+from lazarus_cli.main import main
 
 FAST = ["--model", "gpt-s", "--mtbf", "300", "--duration", "1200", "--no-progress"]
 

@@ -2,10 +2,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazarus_core.simulate.engine import CATEGORIES
-from lazarus_core.simulate.strategies import CheckpointRestart, ElasticRestart, Lazarus
-from lazarus_core.simulate.trace import Event, make_trace
-from lazarus_core.simulate.workload import Costs, ModelSpec
+from lazarus_sim.engine import CATEGORIES
+from lazarus_sim.strategies import CheckpointRestart, ElasticRestart, Lazarus
+from lazarus_sim.trace import Event, make_trace
+from lazarus_sim.workload import Costs, ModelSpec
 from lazarus_core.topology import NodeSpec
 
 MODEL = ModelSpec("toy", experts=4, layers=2, expert_mb=100, dense_gb=0.5, step_s=0.5)

@@ -1,8 +1,8 @@
 """Whole runs: determinism, and the direction of the paper's results on our solver."""
 import pytest
 
-from lazarus_core.simulate import config, scenario, sweeps
-from lazarus_core.simulate.workload import PRESETS
+from lazarus_sim import config, scenario, sweeps
+from lazarus_sim.workload import PRESETS
 
 SEEDS = 3
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from lazarus_core.simulate.throughput import expert_parallel_imbalance, lazarus_imbalance
-from lazarus_core.simulate.sweeps import cluster_nodes
+from lazarus_sim.throughput import expert_parallel_imbalance, lazarus_imbalance
+from lazarus_sim.sweeps import cluster_nodes
 from lazarus_core.solver import plan_job
 
 dispatch_counts = pytest.importorskip("lazarus_runtime.dispatch_counts")

@@ -1,7 +1,7 @@
 """Failure traces: generators, the shipped real and synthetic traces, the two CSV formats."""
 import pytest
 
-from lazarus_core.simulate import trace as tr
+from lazarus_sim import trace as tr
 
 
 def alive_over_time(t: tr.Trace) -> list[tuple[float, int]]:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..placement import POLICIES
-from ..recovery import recovery_probability
-from ..solver import plan_job
-from ..topology import NodeSpec
+from lazarus_core.plan import POLICIES
+from lazarus_core.recovery import recovery_probability
+from lazarus_core.solver import plan_job
+from lazarus_core.topology import NodeSpec
 from .throughput import expert_parallel_imbalance, lazarus_imbalance, ratio_loads, step_seconds
 from .workload import ModelSpec
 

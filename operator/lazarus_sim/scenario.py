@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..topology import NodeSpec
+from lazarus_core.topology import NodeSpec
 from .config import SimConfig
 from .engine import CATEGORIES, Job, Result
 from .strategies import STRATEGIES, CheckpointRestart, ElasticRestart, Lazarus

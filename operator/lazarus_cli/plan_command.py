@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from .placement import POLICIES
-from .plan import Plan
-from .recovery import zone_survival
-from .solver import plan_job
-from .topology import NodeSpec
+from lazarus_core.loads import parse_loads
+from lazarus_core.plan import POLICIES, Plan
+from lazarus_core.recovery import zone_survival
+from lazarus_core.solver import plan_job
+from lazarus_core.topology import NodeSpec
 
 
 def register(sub) -> None:
@@ -64,31 +63,6 @@ def parse_zones(spec: str, num_nodes: int) -> list[str]:
         raise ValueError(f"--zones: give a count or exactly {num_nodes} zone names, "
                          f"got {len(names)}")
     return names
-
-
-def parse_loads(spec: str, experts: int, layers: int) -> list[list[float]]:
-    if spec.startswith("zipf:"):
-        try:
-            s = float(spec[5:])
-        except ValueError:
-            raise ValueError(f"--loads: zipf skew must be a number, got {spec[5:]!r}") from None
-        if s < 0:
-            raise ValueError(f"--loads: zipf skew must be >= 0, got {s}")
-        return [[1.0 / (i + 1) ** s for i in range(experts)]] * layers
-    try:
-        data = json.loads(Path(spec).read_text())
-    except OSError as e:
-        raise ValueError(f"--loads: cannot read {spec}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--loads: {spec} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if isinstance(data, list) and all(isinstance(x, (int, float)) for x in data):
-        data = [data] * layers
-    if (not isinstance(data, list) or len(data) != layers
-            or not all(isinstance(l, list) and len(l) == experts
-                       and all(isinstance(x, (int, float)) and x >= 0 for x in l) for l in data)):
-        raise ValueError(f"--loads: {spec} must hold {experts} non-negative numbers, "
-                         f"or {layers} such lists (one per layer)")
-    return data
 
 
 def plan_summary(plan: Plan) -> dict:

@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from .simulate import config, plots, scenario, sweeps, table
-from .simulate.progress import Progress
+from lazarus_sim import config, plots, scenario, sweeps, table
+from lazarus_sim.progress import Progress
 
 # flag -> (config section, key): flags override the config file, one validation path for both.
 _FLAG_FIELDS = {
@@ -53,7 +53,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     if args.reproduce:
-        from .simulate import reproduce
+        from lazarus_sim import reproduce
         path = reproduce.write(Path(args.reproduce), progress=not args.no_progress)
         print(f"wrote {path}")
         return 0
@@ -104,7 +104,7 @@ def settings_from(args) -> dict:
 
 
 def _looks_like_events(name: str) -> bool:
-    from .simulate.trace import resolve
+    from lazarus_sim.trace import resolve
     try:
         with open(resolve(name)) as f:
             return any(line.startswith("time_s,") for line in f.readlines()[:5])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..migration import Migration
+from lazarus_core.migration import Migration
 
 
 @dataclass(frozen=True)

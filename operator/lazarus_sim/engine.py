@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from ..topology import NodeSpec
+from lazarus_core.topology import NodeSpec
 from .trace import Trace
 from .workload import Costs, ModelSpec
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..plan import Plan
+from lazarus_core.plan import Plan
 from .workload import ModelSpec
 
 

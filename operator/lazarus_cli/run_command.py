@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from .job_spec import SpecError, parse_manifest
+from lazarus_core.job_spec import SpecError, parse_manifest
 
 
 def register(sub) -> None:
@@ -88,7 +88,7 @@ def run(args) -> int:
         raise ValueError(f"--kill: no worker named {', '.join(unknown)}; workers are "
                          f"worker-0 .. worker-{len(known) - 1}")
 
-    from lazarus_runtime.config import RuntimeConfig
+    from lazarus_core.runtime_config import RuntimeConfig
     from lazarus_runtime.local_backend import LocalJob
 
     RuntimeConfig.from_manifest(dict(spec.runtime))  # a bad runtime section fails here, once

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..plan import Plan
-from ..solver import plan_job, replan
-from ..topology import NodeSpec
+from lazarus_core.plan import Plan
+from lazarus_core.solver import plan_job, replan
+from lazarus_core.topology import NodeSpec
 from .engine import Job
 from .throughput import expert_parallel_imbalance, lazarus_imbalance, step_seconds
 from .workload import Costs, ModelSpec

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from ..placement import POLICIES
-from ..plan_command import parse_loads
+from lazarus_core.plan import POLICIES
+from lazarus_core.loads import parse_loads
 from .settings import checked, mapping, override
 from .strategies import STRATEGIES
 from .trace import (Trace, exponential, from_availability, read_availability, read_events,
