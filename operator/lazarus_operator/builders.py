@@ -63,7 +63,7 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
     coordinator = f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"
     env = [{"name": k, "value": v} for k, v in (penv.worker_env(spec, coordinator) | {
         penv.JOB: job, penv.NAMESPACE: namespace, penv.PLAN_CONFIGMAP: plan_configmap_name(job),
-        penv.WORKERS_SERVICE: service_name(job), penv.GPUS_PER_NODE: str(spec.gpus_per_node),
+        penv.WORKERS_SERVICE: service_name(job),
     }).items()]
     env += [{"name": penv.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": penv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]

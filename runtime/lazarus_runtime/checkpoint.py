@@ -1,7 +1,8 @@
 """Checkpoints: one shard per rank, a manifest with checksums, nothing visible half-written.
 
 Each expert replica set is saved once, by the lowest rank holding it; rank 0 also saves the
-dense parameters. Shards and the manifest are written to a temporary name and renamed, and
+dense parameters. Tensors are saved from wherever they live (torch.save copies a GPU's to
+the file) and loaded onto the device of the rank that restores them. Shards and the manifest are written to a temporary name and renamed, and
 the manifest (written last, by rank 0, once every shard is on disk) lists each shard's
 SHA-256. A checkpoint counts only if its manifest exists and every checksum matches, so a
 crash during writing leaves the previous checkpoint in charge.
@@ -77,22 +78,24 @@ class Checkpoint:
     directory: Path
     shards: tuple[dict, ...]
 
-    def _load(self, shard: dict) -> dict:
+    def _load(self, shard: dict, device: torch.device | str) -> dict:
         path = self.directory / shard["file"]
         if not path.exists():
             raise CheckpointError(f"{path}: shard missing")
         if _sha256(path) != shard["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch, the file is corrupt")
-        return torch.load(path, weights_only=True)
+        # Straight onto the loading rank's device, wherever the saving rank's tensors were.
+        return torch.load(path, weights_only=True, map_location=torch.device(device))
 
-    def load(self, experts: set[ExpertKey]) -> tuple[dict | None, dict[ExpertKey, dict]]:
-        """(dense state, states of the requested experts), checksums verified."""
+    def load(self, experts: set[ExpertKey], device: torch.device | str = "cpu"
+             ) -> tuple[dict | None, dict[ExpertKey, dict]]:
+        """(dense state, states of the requested experts) on ``device``, checksums verified."""
         dense, found = None, {}
         for shard in self.shards:
             keys = {tuple(k) for k in shard["experts"]}
             if not shard["dense"] and not (keys & experts):
                 continue
-            payload = self._load(shard)
+            payload = self._load(shard, device)
             if shard["dense"]:
                 dense = payload["dense"]
             for key in keys & experts:

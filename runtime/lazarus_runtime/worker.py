@@ -63,6 +63,8 @@ class WorkerSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     device: str = "cpu"
+    # The job's collective backend (process_group): gloo, or nccl with a GPU per rank.
+    backend: str = "gloo"
 
 
 class Worker:
@@ -157,7 +159,7 @@ class Worker:
             try:
                 experts, dense = exchange(comm, self.cfg.model, self.engine, self.node, ranks,
                                           d.transfers, d.joiners, d.dense_source,
-                                          stepped=d.start_step > 1)
+                                          stepped=d.start_step > 1, device=self.settings.device)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
                 raise GenerationEnded.by(f"expert transfers of generation {g}", e) from e
         self.chan.fetched(g)
@@ -196,7 +198,9 @@ class Worker:
         try:
             self.comm = join_generation(self.store, scope, rank, world_size,
                                         timeout_s=self.settings.collective_timeout_s,
-                                        interrupted=lambda: self.chan.latest() > g)
+                                        interrupted=lambda: self.chan.latest() > g,
+                                        backend=self.settings.backend,
+                                        device=self.settings.device)
         except (RuntimeError, TimeoutError) as e:
             raise GenerationEnded.by(f"joining generation {g}", e) from e
         timings["rebuild_s"] += time.perf_counter() - start
@@ -214,7 +218,7 @@ class Worker:
             if ck is None or ck.step != d.restore_step:
                 raise RuntimeError(f"checkpoint of step {d.restore_step} not found in "
                                    f"{self.settings.checkpoint_dir}")
-            engine.load_state(*ck.load(set(engine.held_experts())))
+            engine.load_state(*ck.load(set(engine.held_experts()), self.settings.device))
         self.engine = engine
         self.committed = d.restore_step
         log.info("%s: restored step %d for generation %d", self.node, d.restore_step,
@@ -276,10 +280,16 @@ def main() -> int:
         return 2
     logging.basicConfig(level=env.log_level, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(env.threads)
+    device = "cpu"
+    if env.device == "cuda":
+        # The node agent shows each rank only its own GPU (CUDA_VISIBLE_DEVICES).
+        device = "cuda:0"
+        torch.cuda.set_device(0)
     settings = WorkerSettings(
         checkpoint_dir=Path(env.checkpoint_path) if env.checkpoint_path else None,
         checkpoint_every=env.checkpoint_every_steps,
         collective_timeout_s=env.collective_timeout_s,
+        device=device, backend=env.backend,
     )
     host, port = env.coordinator_address
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))

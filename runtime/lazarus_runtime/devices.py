@@ -1,0 +1,55 @@
+"""Which GPU each rank process of a node runs on, and which collective backend the job uses.
+
+One rank per GPU is the rule on a cluster (a worker pod asks for ``gpusPerNode`` GPUs and
+runs that many ranks). With more ranks than GPUs (``lazarus run --local`` on a machine with
+fewer GPUs than the job has ranks, tests and demos) ranks share GPUs round-robin; with none,
+every rank runs on the CPU. NCCL needs a GPU of its own for every rank ("Duplicate GPU
+detected" otherwise, gpu-notes.md), so sharing or no GPU means gloo, which carries CPU and
+CUDA tensors alike.
+
+Pure functions: the node agent and the local backend make the I/O around them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lazarus_core.process_env import BACKENDS, GLOO, NCCL
+
+__all__ = ["BACKENDS", "GLOO", "NCCL", "RankDevice", "collective_backend", "place_ranks",
+           "parse_visible_gpus"]
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """Where one rank process of a node runs."""
+
+    local_rank: int
+    # The GPU as CUDA_VISIBLE_DEVICES names it (an index or a UUID); None: the CPU.
+    gpu: str | None
+
+
+def place_ranks(ranks: int, gpus: Sequence[str]) -> list[RankDevice]:
+    """``ranks`` processes over ``gpus``: rank i on ``gpus[i % len(gpus)]``, or the CPU."""
+    if ranks < 1:
+        raise ValueError(f"gpusPerNode: a node runs at least one rank, got {ranks}")
+    return [RankDevice(i, gpus[i % len(gpus)] if gpus else None) for i in range(ranks)]
+
+
+def collective_backend(placed: Sequence[RankDevice]) -> str:
+    """NCCL when every rank has a GPU of its own, gloo otherwise."""
+    gpus = [r.gpu for r in placed]
+    if gpus and None not in gpus and len(set(gpus)) == len(gpus):
+        return NCCL
+    return GLOO
+
+
+def parse_visible_gpus(value: str) -> list[str]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value lets a process see, in order. An empty value
+    or a negative index hides every GPU from there on, as CUDA reads it."""
+    out = []
+    for item in (v.strip() for v in value.split(",")):
+        if not item or item.startswith("-"):
+            break
+        out.append(item)
+    return out
