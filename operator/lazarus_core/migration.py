@@ -4,8 +4,11 @@ The new plan's positions are interchangeable as far as recovery goes, so physica
 be matched to them freely (within the same zone and slot count). We choose the matching
 that keeps the most expert replicas where they already are: a linear assignment problem,
 solved exactly (the paper's greedy mapping is kept as the baseline we measure against).
-Every replica a node still lacks becomes one transfer from a surviving holder, with sources
-spread so that no holder serves more than its share.
+Within a node, each rank of the position goes to the GPU that already holds most of what
+that rank needs (``map_devices``). Every replica a node still lacks becomes one transfer from
+a surviving holder, with sources spread so that no holder serves more than its share; run on
+the plans' per-rank views (``Plan.by_rank``), the same planning moves replicas between the
+GPUs of one node too.
 """
 from __future__ import annotations
 
@@ -133,3 +136,25 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
                 sends[src] += 1
                 transfers.append(Transfer(li, e, src, node.name))
     return Migration(tuple(transfers), tuple(sorted(lost)))
+
+
+def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Which of ``node``'s GPUs runs each rank of a plan position, in rank order: the
+    assignment that keeps the most replicas on the GPU that held them under ``old``.
+    ``slots``: per layer, the position's slots (``node.slots_per_gpu`` per rank)."""
+    c = node.slots_per_gpu
+    held: dict[int, list[set[int]]] = {}
+    if node.name in {n.name for n in old.nodes}:
+        i = old.node_index(node.name)
+        n = old.nodes[i]
+        for j, device in enumerate(n.devices):
+            held[device] = [set(layer.placement[i][j * n.slots_per_rank:
+                                                   (j + 1) * n.slots_per_rank])
+                            for layer in old.layers]
+    if not held:
+        return node.devices
+    gain = np.array([[sum(len(set(layer[j * c:(j + 1) * c]) & held[d][li])
+                          for li, layer in enumerate(slots)) if d in held else 0
+                      for d in node.devices] for j in range(node.gpus)])
+    ranks, columns = linear_sum_assignment(-gain)
+    return tuple(node.devices[col] for _, col in sorted(zip(ranks, columns)))

@@ -5,10 +5,13 @@ slots of which node hold them. Workers consume exactly this object (as JSON); th
 publishes it and the local backend hands it to its processes.
 
 Node order is rank order: node i owns the ranks in ``nodes[i].ranks`` and its slots are
-``placement[i]``. Slot s of a node belongs to its rank ``ranks[s // slots_per_rank]``.
+``placement[i]``. Slot s of a node belongs to its rank ``ranks[s // slots_per_rank]``, which
+the node's GPU ``devices[s // slots_per_rank]`` runs: one rank process per GPU, named by
+``member_name(node, device)``. A node's devices are 0..n-1 until it loses a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -36,10 +39,32 @@ class PlanNode:
     ranks: tuple[int, ...]
     slots_per_rank: int
     zone: str = ""
+    # The node's GPUs (its agent's local ranks) that run ``ranks``, in the same order; by
+    # default 0..len(ranks)-1.
+    devices: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.devices:
+            object.__setattr__(self, "devices", tuple(range(len(self.ranks))))
 
     @property
     def slots(self) -> int:
         return len(self.ranks) * self.slots_per_rank
+
+    def members(self) -> tuple[str, ...]:
+        """The names of the rank processes that run this node's ranks, in rank order."""
+        return tuple(member_name(self.name, d) for d in self.devices)
+
+
+def member_name(node: str, device: int) -> str:
+    """The name of one rank process: its node, and the GPU of the node it runs on (its local
+    rank). Node names never hold a "/" (Kubernetes names are DNS subdomains)."""
+    return f"{node}/{device}"
+
+
+def member_node(member: str) -> str:
+    """The node a rank process (``member_name``) runs on."""
+    return member.rsplit("/", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,28 @@ class Plan:
                 return slots[i * c:(i + 1) * c]
         raise KeyError(f"rank {rank} is not in plan generation {self.generation}")
 
+    def members(self) -> dict[str, int]:
+        """Every rank process of the plan (``member_name``) with its rank, in rank order."""
+        out = {m: r for n in self.nodes for m, r in zip(n.members(), n.ranks)}
+        return dict(sorted(out.items(), key=lambda item: item[1]))
+
+    def by_rank(self) -> "Plan":
+        """The same placement seen one rank at a time: a node per rank process, named by
+        ``member_name``, holding that rank's slots. Migration planning runs on this view,
+        so a replica that a node holds on one GPU but needs on another also moves."""
+        nodes, layers = [], [[] for _ in self.layers]
+        for i, node in enumerate(self.nodes):
+            c = node.slots_per_rank
+            for j, (member, rank) in enumerate(zip(node.members(), node.ranks)):
+                nodes.append(PlanNode(member, (rank,), c, node.zone))
+                for li, layer in enumerate(self.layers):
+                    layers[li].append(layer.placement[i][j * c:(j + 1) * c])
+        order = sorted(range(len(nodes)), key=lambda k: nodes[k].ranks[0])
+        return dataclasses.replace(
+            self, nodes=tuple(nodes[k] for k in order),
+            layers=tuple(LayerPlan(l.replicas, tuple(placed[k] for k in order))
+                         for l, placed in zip(self.layers, layers)))
+
     def node_index(self, name: str) -> int:
         for i, node in enumerate(self.nodes):
             if node.name == name:
@@ -87,7 +134,8 @@ class Plan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["nodes"] = [dict(n, ranks=list(n["ranks"])) for n in d["nodes"]]
+        d["nodes"] = [dict(n, ranks=list(n["ranks"]), devices=list(n["devices"]))
+                      for n in d["nodes"]]
         d["layers"] = [
             {"replicas": list(l["replicas"]), "placement": [list(s) for s in l["placement"]]}
             for l in d["layers"]
@@ -116,6 +164,7 @@ class Plan:
                     ranks=tuple(n["ranks"]),
                     slots_per_rank=n["slots_per_rank"],
                     zone=n.get("zone", ""),
+                    devices=tuple(n.get("devices", ())),
                 )
                 for n in d["nodes"]
             ),
@@ -178,6 +227,10 @@ def _shape_violations(d) -> list[str]:
                 v.append(f"nodes[{i}].ranks: must be a list of integers")
             if not isinstance(n.get("slots_per_rank"), int):
                 v.append(f"nodes[{i}].slots_per_rank: must be an integer")
+            if not isinstance(n.get("devices", []), list) or not all(
+                isinstance(d, int) for d in n.get("devices", [])
+            ):
+                v.append(f"nodes[{i}].devices: must be a list of integers")
     layers = d.get("layers")
     if not isinstance(layers, list):
         v.append("layers: must be a list")
@@ -216,6 +269,12 @@ def violations(plan: Plan) -> list[str]:
             v.append(f"nodes[{i}].ranks: a node must host at least one rank")
         if n.slots_per_rank < 1:
             v.append(f"nodes[{i}].slots_per_rank: must be >= 1")
+        if len(n.devices) != len(n.ranks) or len(set(n.devices)) != len(n.devices) or (
+                n.devices and min(n.devices) < 0):
+            v.append(f"nodes[{i}].devices: needs one distinct GPU index >= 0 per rank "
+                     f"({len(n.ranks)})")
+        if "/" in n.name:
+            v.append(f"nodes[{i}].name: must not contain '/'")
     if not plan.layers:
         v.append("layers: must not be empty")
     for li, layer in enumerate(plan.layers):

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .allocation import allocate_replicas
-from .migration import Migration, map_nodes_optimal, plan_transfers
+from .migration import Migration, map_devices, map_nodes_optimal, plan_transfers
 from .mro import mro
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
@@ -59,11 +59,15 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
-               policy, generation, reason, max_failures) -> Plan:
+               policy, generation, reason, max_failures,
+               devices: Sequence[Sequence[int]] | None = None) -> Plan:
+    """``devices``: per node, which of its GPUs run its ranks in order (default: its usable
+    GPUs in index order)."""
     plan_nodes, rank = [], 0
-    for n in ordered:
+    for i, n in enumerate(ordered):
         plan_nodes.append(PlanNode(name=n.name, ranks=tuple(range(rank, rank + n.gpus)),
-                                   slots_per_rank=n.slots_per_gpu, zone=n.zone))
+                                   slots_per_rank=n.slots_per_gpu, zone=n.zone,
+                                   devices=tuple(devices[i] if devices else n.devices)))
         rank += n.gpus
     return validate(Plan(
         generation=generation,
@@ -94,8 +98,11 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
     positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
                                              old.min_replicas, old.policy, loads)
     mapping = map_nodes_optimal(old, list(nodes), positions, placements)
-    # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
+    # Position q keeps its slots and zone; it is now played by nodes[mapping[q]], each of
+    # its ranks by the GPU of that node that holds most of what the rank needs.
     ordered = [nodes[i] for i in mapping]
+    devices = [map_devices(old, node, [p[q] for p in placements])
+               for q, node in enumerate(ordered)]
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
-                      old.policy, old.generation + 1, reason, max_failures)
+                      old.policy, old.generation + 1, reason, max_failures, devices)
     return Replan(plan, plan_transfers(old, plan, sources))

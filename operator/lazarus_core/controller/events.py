@@ -17,6 +17,13 @@ class NodesLost:
 
 
 @dataclass(frozen=True)
+class GpusLost:
+    """These nodes live on with fewer usable GPUs (``NodeSpec.devices``): a GPU failed and
+    took its rank process with it."""
+    nodes: tuple[NodeSpec, ...]
+
+
+@dataclass(frozen=True)
 class SpotNotice:
     """These nodes will be reclaimed soon but are still alive."""
     names: tuple[str, ...]
@@ -66,21 +73,29 @@ class Tick:
     """Time has passed; lets the core act on deadlines it asked for (``Outcome.retry_at``)."""
 
 
-Event = Union[NodesLost, SpotNotice, NodesJoined, Progress, RebalanceDue, SpecChanged, Tick]
+Event = Union[NodesLost, GpusLost, SpotNotice, NodesJoined, Progress, RebalanceDue, SpecChanged,
+              Tick]
 
 
 def observe(state: JobState, live: Sequence[NodeSpec], noticed: Iterable[str]) -> list[Event]:
     """Events that turn ``state`` into what a level-triggered backend observes now.
 
-    ``live`` are the nodes with a running worker; ``noticed`` the nodes under a spot notice.
+    ``live`` are the nodes with a running worker, each with the GPUs whose rank still runs;
+    ``noticed`` the nodes under a spot notice.
     """
     live_names = {n.name for n in live}
     lost = tuple(sorted(state.alive - live_names))
     joined = tuple(n for n in sorted(live, key=lambda n: n.name) if n.name not in state.alive)
+    known = {n.name: n for n in state.nodes}
+    # A rank never comes back on its GPU (its agent restarts nothing): only fewer count.
+    shrunk = tuple(n for n in sorted(live, key=lambda n: n.name) if n.name in known
+                   and set(n.devices) < set(known[n.name].devices))
     notices = tuple(sorted((set(noticed) & live_names) - state.noticed))
     events: list[Event] = []
     if lost:
         events.append(NodesLost(lost))
+    if shrunk:
+        events.append(GpusLost(shrunk))
     if notices:
         events.append(SpotNotice(notices))
     if joined:
