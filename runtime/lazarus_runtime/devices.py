@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from lazarus_core.process_env import BACKENDS, GLOO, NCCL
 
 __all__ = ["BACKENDS", "GLOO", "NCCL", "RankDevice", "collective_backend", "place_ranks",
-           "parse_visible_gpus"]
+           "share_machine", "parse_visible_gpus"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,19 @@ def collective_backend(placed: Sequence[RankDevice]) -> str:
     if gpus and None not in gpus and len(set(gpus)) == len(gpus):
         return NCCL
     return GLOO
+
+
+def share_machine(nodes: int, ranks_per_node: int, gpus: Sequence[str]
+                  ) -> tuple[list[list[str]], str]:
+    """Simulated nodes on one machine (``lazarus run --local``): the GPUs each node's agent
+    may use, and the backend of the whole job. Ranks take the machine's GPUs in turn across
+    nodes, so node i's ranks continue where node i-1's stopped, and a node's agent placing
+    its ranks over its own share (``place_ranks``) lands each on that same GPU."""
+    placed = [[gpus[(i * ranks_per_node + j) % len(gpus)] for j in range(ranks_per_node)]
+              if gpus else [] for i in range(nodes)]
+    every_rank = [RankDevice(j, gpu) for share in placed for j, gpu in enumerate(share)]
+    backend = collective_backend(every_rank) if gpus else GLOO
+    return [list(dict.fromkeys(share)) for share in placed], backend
 
 
 def parse_visible_gpus(value: str) -> list[str]:

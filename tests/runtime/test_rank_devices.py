@@ -10,7 +10,8 @@ import torch.distributed as dist
 from lazarus_core import process_env as penv
 
 from gloo_harness import free_port
-from lazarus_runtime.devices import collective_backend, parse_visible_gpus, place_ranks
+from lazarus_runtime.devices import (collective_backend, parse_visible_gpus, place_ranks,
+                                     share_machine)
 from lazarus_runtime.process_group import BackendMismatch, join_generation
 
 
@@ -34,6 +35,20 @@ def test_ranks_of_several_nodes_sharing_the_machines_gpus_use_gloo():
     node_a, node_b = place_ranks(2, ["0", "1"]), place_ranks(2, ["0", "1"])
     assert collective_backend(node_a) == "nccl"
     assert collective_backend(node_a + node_b) == "gloo"
+
+
+@pytest.mark.parametrize("nodes, per_node, gpus, backend", [
+    (2, 2, ["0"], "gloo"), (2, 2, ["0", "1"], "gloo"), (2, 2, ["0", "1", "2"], "gloo"),
+    (2, 2, list("0123"), "nccl"), (2, 3, ["0", "1"], "gloo"), (3, 1, [], "gloo"),
+])
+def test_simulated_nodes_take_the_machines_gpus_in_turn(nodes, per_node, gpus, backend):
+    shares, chosen = share_machine(nodes, per_node, gpus)
+    assert chosen == backend
+    # Each agent, placing its ranks over its share, lands them where a round-robin over
+    # the whole machine would.
+    placed = [r.gpu for share in shares for r in place_ranks(per_node, share)]
+    expected = [gpus[k % len(gpus)] if gpus else None for k in range(nodes * per_node)]
+    assert placed == expected
 
 
 def test_a_node_without_ranks_is_refused():
