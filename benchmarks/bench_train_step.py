@@ -144,6 +144,8 @@ def bench_plain(name: str, cfg: RuntimeConfig, token_counts, device, args,
         rows.append(Row(name, tokens, "plain " + ("compiled" if compiled else "eager"), seconds,
                         peak_memory_bytes(device), syncs))
     del trainer
+    if compiled:
+        torch._dynamo.reset()  # its compiled graphs hold the model's memory otherwise
     return rows
 
 
