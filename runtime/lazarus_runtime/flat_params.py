@@ -52,9 +52,9 @@ class FlatParams:
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], compute_dtype: torch.dtype,
                  keep_fp32: Callable[[str], bool] = lambda name: False, spare: int = 0):
-        low = [(n, p) for n, p in named if compute_dtype != torch.float32 and not keep_fp32(n)]
-        high = [(n, p) for n, p in named if not (compute_dtype != torch.float32
-                                                 and not keep_fp32(n))]
+        casts = compute_dtype != torch.float32
+        low = [(n, p) for n, p in named if casts and not keep_fp32(n)]
+        high = [(n, p) for n, p in named if not (casts and not keep_fp32(n))]
         device = named[0][1].device if named else torch.device("cpu")
         self.slots: dict[str, Slot] = {}
         end = 0
