@@ -23,7 +23,8 @@ from lazarus_core.runtime_config import ModelConfig
 
 from .collectives import Collectives
 from .engine import Engine
-from .model import ExpertFFN, MoEGPT
+from .experts import expert_shapes
+from .model import dense_parameter_shapes
 
 Layout = list[tuple[str, torch.Size]]
 
@@ -33,10 +34,8 @@ _OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "step")
 @functools.lru_cache(maxsize=4)
 def _shapes(cfg: ModelConfig) -> tuple[tuple, tuple]:
     """(expert, dense) parameter names and shapes: a joiner knows them before it has state."""
-    expert = ExpertFFN(cfg.dim, cfg.ffn_dim, torch.Generator())
-    dense = MoEGPT(cfg, {layer: () for layer in range(cfg.layers)}, seed=0)
-    return (tuple((n, p.shape) for n, p in expert.named_parameters()),
-            tuple((n, p.shape) for n, p in dense.dense_parameters()))
+    return (tuple((n, torch.Size(s)) for n, s in expert_shapes(cfg.dim, cfg.ffn_dim).items()),
+            dense_parameter_shapes(cfg))
 
 
 def layout(named_shapes: Sequence[tuple[str, torch.Size]], stepped: bool) -> Layout:

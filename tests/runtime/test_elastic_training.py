@@ -107,9 +107,9 @@ def test_a_frozen_worker_is_dropped_from_its_heartbeats_and_taken_back_when_it_r
     # The job runs long enough for the worker to come back while it trains.
     path = manifest(tmp_path, "frozen")
     events = []
-    result = run(path, workers=4, steps=2 * STEPS, events=events,
-                 kills=[Fault(5, names=("worker-1",), freeze_s=5.0)])
-    assert result.steps_completed == 2 * STEPS
+    result = run(path, workers=4, steps=4 * STEPS, events=events,
+                 kills=[Fault(5, names=("worker-1",), freeze_s=4.0)])
+    assert result.steps_completed == 4 * STEPS
     assert result.samples_lost == 0 and result.samples_duplicated == 0
     worst = max(abs(a - b) for a, b in zip(result.losses[:STEPS], reference.losses))
     assert worst < TOLERANCE, (worst, result.losses, reference.losses)
