@@ -28,8 +28,7 @@ from lazarus_runtime.collectives import Collectives
 from lazarus_runtime.engine import Engine
 from lazarus_runtime.process_group import join_generation, leave_generation
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 GPU = "cuda:0"
 # Wide enough that the GPU does real work, small enough for seconds per test.
