@@ -67,6 +67,14 @@ def member_node(member: str) -> str:
     return member.rsplit("/", 1)[0]
 
 
+def member_device(member: str) -> int:
+    """The GPU of its node a rank process (``member_name``) runs on."""
+    node, _, device = member.rpartition("/")
+    if not node or not device.isdigit():
+        raise ValueError(f"{member!r} names no rank process (NODE/GPU)")
+    return int(device)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """Replica counts per expert (expert-id order) and the expert id in each node's slots."""

@@ -69,8 +69,7 @@ class WorkerEnv:
 
     @property
     def coordinator_address(self) -> tuple[str, int]:
-        host, port = self.coordinator.rsplit(":", 1)
-        return host, int(port)
+        return _host_port(self.coordinator)
 
 
 def worker_env(spec: JobSpec, coordinator: str, node: str | None = None,
@@ -113,21 +112,26 @@ def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
 @dataclass(frozen=True)
 class AgentEnv:
     node: str
+    coordinator: str
     ranks: int
     # None: the agent chooses from the GPUs it sees (``devices.collective_backend``).
     backend: str | None = None
     # The GPUs the agent may use, as CUDA_VISIBLE_DEVICES lists them; None: all it sees.
     visible_gpus: str | None = None
 
+    @property
+    def coordinator_address(self) -> tuple[str, int]:
+        return _host_port(self.coordinator)
+
 
 def read_agent_env(environ: Mapping[str, str]) -> AgentEnv:
-    _require(environ, (NODE_NAME, GPUS_PER_NODE),
+    _require(environ, (COORDINATOR, NODE_NAME, GPUS_PER_NODE),
              "a node agent is started by the operator's worker pod or by `lazarus run --local`")
     try:
         ranks = int(environ[GPUS_PER_NODE])
         if ranks < 1:
             raise ValueError(f"{GPUS_PER_NODE} must be >= 1, got {ranks}")
-        return AgentEnv(node=environ[NODE_NAME], ranks=ranks,
+        return AgentEnv(node=environ[NODE_NAME], coordinator=environ[COORDINATOR], ranks=ranks,
                         backend=_one_of(environ, BACKEND, BACKENDS, None),
                         visible_gpus=environ.get(CUDA_VISIBLE_DEVICES))
     except ValueError as e:
@@ -139,6 +143,11 @@ def rank_env(local_rank: int, gpu: str | None, backend: str) -> dict[str, str]:
     (None: the CPU, with every GPU hidden) and the job's collective backend."""
     return {LOCAL_RANK: str(local_rank), DEVICE: "cpu" if gpu is None else "cuda",
             BACKEND: backend, CUDA_VISIBLE_DEVICES: gpu or ""}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
 
 
 def _one_of(environ: Mapping[str, str], name: str, allowed: tuple[str, ...],

@@ -7,17 +7,19 @@ every rank runs on the CPU. NCCL needs a GPU of its own for every rank ("Duplica
 detected" otherwise, gpu-notes.md), so sharing or no GPU means gloo, which carries CPU and
 CUDA tensors alike.
 
-Pure functions: the node agent and the local backend make the I/O around them.
+Pure functions, but for ``visible_gpus``, which asks the machine: the node agent and the
+local backend make the I/O around them.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from lazarus_core.process_env import BACKENDS, GLOO, NCCL
 
 __all__ = ["BACKENDS", "GLOO", "NCCL", "RankDevice", "collective_backend", "place_ranks",
-           "share_machine", "parse_visible_gpus"]
+           "share_machine", "parse_visible_gpus", "visible_gpus"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,15 @@ def parse_visible_gpus(value: str) -> list[str]:
             break
         out.append(item)
     return out
+
+
+def visible_gpus(cuda_visible_devices: str | None) -> list[str]:
+    """The GPUs a process may use: those CUDA_VISIBLE_DEVICES names when it is set, or
+    every GPU CUDA sees. torch is imported only where an NVIDIA driver is present."""
+    if cuda_visible_devices is not None:
+        return parse_visible_gpus(cuda_visible_devices)
+    if not Path("/proc/driver/nvidia/version").exists():
+        return []
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]

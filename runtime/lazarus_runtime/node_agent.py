@@ -8,8 +8,10 @@ say), each pinned to its own GPU through CUDA_VISIBLE_DEVICES (``devices.place_r
 with more ranks than GPUs they share, over gloo; with none, they run on the CPU). Then it
 supervises them:
 
-- a rank that dies is reported, and the node's other ranks keep training: the coordinator
-  re-plans without that GPU's slots;
+- a rank that dies is reported to the coordinator at once (``JobChannel.rank_exited``; its
+  heartbeats would say so within seconds anyway), and the node's other ranks keep
+  training: the coordinator finds the rank lost, the controller re-plans without that GPU's
+  slots;
 - nothing is ever restarted here: a rank back from the dead would not hold what the plan
   says it holds, and the controller decides where replicas go;
 - SIGTERM and SIGINT are passed on to the ranks, which leave as they would alone;
@@ -24,16 +26,18 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 from lazarus_core import process_env as penv
+from lazarus_core.plan import member_name
 
-from .devices import RankDevice, collective_backend, parse_visible_gpus, place_ranks
+from .devices import RankDevice, collective_backend, place_ranks, visible_gpus
 
 log = logging.getLogger("lazarus.agent")
 
@@ -96,6 +100,56 @@ class NodeAgent:
         return 128 - first if first < 0 else first  # a signal, as a shell reports it
 
 
+class ExitReporter:
+    """Tells the coordinator that a rank exited, from a thread of its own: its connection
+    (and the torch import it needs) is made while the ranks start, and a coordinator being
+    replaced delays the report, never the agent."""
+
+    RETRY_S = 0.5
+
+    def __init__(self, coordinator: tuple[str, int], node: str):
+        self.coordinator, self.node = coordinator, node
+        self._pending: queue.Queue[tuple[int, int]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="exit-reporter", daemon=True)
+
+    def start(self) -> "ExitReporter":
+        self._thread.start()
+        return self
+
+    def report(self, local_rank: int, status: int) -> None:
+        self._pending.put((local_rank, status))
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every report is written."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        from .job_channel import CoordinatorLost, JobChannel
+
+        host, port = self.coordinator
+        chan = None
+        while True:
+            local_rank, status = self._pending.get()
+            while True:
+                try:
+                    if chan is None:
+                        chan = JobChannel(dist.TCPStore(
+                            host, port, is_master=False, timeout=datetime.timedelta(seconds=5)))
+                    chan.rank_exited(member_name(self.node, local_rank), status)
+                    break
+                except (CoordinatorLost, RuntimeError, OSError) as e:
+                    log.debug("%s: could not report rank %d yet: %s", self.node, local_rank, e)
+                    chan = None
+                    time.sleep(self.RETRY_S)
+            self._pending.task_done()
+
+
 def _die_with_parent() -> None:
     """In a rank, before it runs: die with SIGKILL when the agent dies (Linux)."""
     try:
@@ -105,20 +159,7 @@ def _die_with_parent() -> None:
         return  # no prctl: the pod's end still takes every process of the container
 
 
-def visible_gpus(env: penv.AgentEnv) -> list[str]:
-    """The GPUs this node's ranks may use: CUDA_VISIBLE_DEVICES when it is set (the local
-    backend's share of the machine), otherwise every GPU CUDA sees (a pod sees those it was
-    given). torch is imported only where an NVIDIA driver is present."""
-    if env.visible_gpus is not None:
-        return parse_visible_gpus(env.visible_gpus)
-    if not Path("/proc/driver/nvidia/version").exists():
-        return []
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def _report(node: str, gpus: Mapping[int, str | None]) -> RankExit:
+def _report(node: str, gpus: Mapping[int, str | None], reporter: ExitReporter) -> RankExit:
     def report(local_rank: int, code: int) -> None:
         where = f"GPU {gpus[local_rank]}" if gpus[local_rank] is not None else "the CPU"
         if code == 0:
@@ -126,6 +167,7 @@ def _report(node: str, gpus: Mapping[int, str | None]) -> RankExit:
         else:
             log.warning("%s: rank %d (%s) exited with status %d; the node's other ranks go "
                         "on, and the plan drops this one", node, local_rank, where, code)
+        reporter.report(local_rank, code)
     return report
 
 
@@ -142,13 +184,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=os.environ.get(penv.LOG_LEVEL) or "WARNING",
                         format="%(asctime)s %(name)s %(message)s")
-    ranks = place_ranks(env.ranks, visible_gpus(env))
+    # CUDA_VISIBLE_DEVICES when set (the local backend's share of the machine), otherwise
+    # every GPU the pod was given.
+    ranks = place_ranks(env.ranks, visible_gpus(env.visible_gpus))
     backend = env.backend or collective_backend(ranks)
+    reporter = ExitReporter(env.coordinator_address, env.node)
     agent = NodeAgent(ranks, backend, os.environ, args or WORKER_COMMAND,
-                      on_rank_exit=_report(env.node, {r.local_rank: r.gpu for r in ranks}))
+                      on_rank_exit=_report(env.node, {r.local_rank: r.gpu for r in ranks},
+                                           reporter))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _frame: agent.forward(s))
-    return agent.start().run()
+    agent.start()
+    reporter.start()
+    status = agent.run()
+    reporter.flush(timeout_s=5.0)
+    return status
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
+from lazarus_core.plan import member_node
 
 from jobkit import JobClient, kubectl, settle, tool
 from testcluster import faults
@@ -172,6 +174,17 @@ class Stack:
 
     def commits(self) -> list[int]:
         return [e["step"] for e in self.events("step")]
+
+
+def pod_processes(stack: Stack, pod_name: str) -> list[psutil.Process]:
+    """A worker pod's processes: its node agent, then its rank processes."""
+    agent = psutil.Process(stack.kubelet.process(pod_name).pid)
+    return [agent] + sorted(agent.children(), key=lambda p: p.pid)
+
+
+def signal_all(procs: list[psutil.Process], signum: int) -> None:
+    for p in procs:
+        p.send_signal(signum)
 
 
 def record(scenario: str, result: dict) -> None:
@@ -362,19 +375,19 @@ def test_a_worker_frozen_past_the_heartbeat_bound_is_dropped_then_taken_back(clu
     stack.wait_step(6)
     generation = stack.generation()
     pod = stack.jobs.workers(stack.name)[0]
-    frozen = stack.kubelet.process(pod.metadata.name)
+    frozen = pod_processes(stack, pod.metadata.name)
 
     frozen_at = time.time()
-    frozen.send_signal(signal.SIGSTOP)  # a hung driver: alive, sockets open, silent
+    signal_all(frozen, signal.SIGSTOP)  # a hung machine: alive, sockets open, silent
     stack.wait_step(stack.last_step() + 3, after_generation=generation)
     m = stack.measure("worker frozen past the heartbeat bound", frozen_at, generation)
     [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
     assert plan["reason"] == "NodeLost" and not plan["boundary"], plan
     assert pod.spec.node_name not in stack.plan_nodes()
-    assert [e["node"] for e in stack.events("lost")][:1] == [pod.spec.node_name]
+    assert [member_node(e["worker"]) for e in stack.events("lost")][:1] == [pod.spec.node_name]
     assert m["fault_to_next_step_s"] < FROZEN_TARGET_S, m
 
-    frozen.send_signal(signal.SIGCONT)  # it resumes: taken back at a step boundary
+    signal_all(frozen, signal.SIGCONT)  # it resumes: taken back at a step boundary
     wait_until(lambda: pod.spec.node_name in stack.plan_nodes(), timeout=STEP_TIMEOUT_S,
                what="the resumed worker back in the plan", describe=stack.describe)
     stack.wait_step(stack.last_step() + 3, after_generation=stack.generation() - 1)
@@ -389,7 +402,7 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
     stack.apply()
     stack.wait_step(8)
     generation = stack.generation()
-    proc = stack.kubelet.process(stack.jobs.workers(stack.name)[0].metadata.name)
+    procs = pod_processes(stack, stack.jobs.workers(stack.name)[0].metadata.name)
 
     def pace(since: float, until: float) -> float:
         times = [e["time"] for e in stack.events("step") if since <= e["time"] <= until]
@@ -401,9 +414,9 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
 
     def throttle():  # the worker gets a sixth of the CPU time, in 60 ms periods
         while not stop.is_set():
-            proc.send_signal(signal.SIGSTOP)
+            signal_all(procs, signal.SIGSTOP)
             time.sleep(0.05)
-            proc.send_signal(signal.SIGCONT)
+            signal_all(procs, signal.SIGCONT)
             time.sleep(0.01)
 
     started = time.time()
@@ -414,13 +427,13 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
     finally:
         stop.set()
         thread.join()
-        proc.send_signal(signal.SIGCONT)
+        signal_all(procs, signal.SIGCONT)
     slowed = pace(started + 2, time.time())
     record("worker throttled five-fold", {"normal_step_s": round(normal, 3),
                                           "throttled_step_s": round(slowed, 3),
                                           "slowdown": round(slowed / normal, 1),
                                           "replans": stack.generation() - generation,
-                                          "lost": [e["node"] for e in stack.events("lost")]})
+                                          "lost": [e["worker"] for e in stack.events("lost")]})
     assert slowed >= 4 * normal, (normal, slowed)  # really much slower
     assert stack.generation() == generation and stack.events("lost") == []
     stack.wait_step(stack.last_step() + 3)

@@ -1,6 +1,6 @@
 """The node agent: real processes. It starts a node's ranks, each pinned to its GPU (or the
-CPU), reports a rank that dies while the others go on, passes SIGTERM on, restarts nothing,
-and takes its ranks with it when it is killed itself."""
+CPU), reports a rank that dies to the coordinator's store while the others go on, passes
+SIGTERM on, restarts nothing, and takes its ranks with it when it is killed itself."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch.distributed as dist
 from lazarus_core import process_env as penv
 
+from gloo_harness import free_port
+from lazarus_runtime.job_channel import JobChannel
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -33,8 +36,16 @@ if sys.argv[2] != "exit":
 """
 
 
-def start_agent(tmp: Path, ranks: int, mode: str, **env) -> subprocess.Popen:
+@pytest.fixture
+def coordinator() -> JobChannel:
+    """The coordinator's side of the store the agent reports to."""
+    port = free_port()
+    return JobChannel(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+
+
+def start_agent(tmp: Path, chan: JobChannel, ranks: int, mode: str, **env) -> subprocess.Popen:
     environ = dict(os.environ, **{penv.NODE_NAME: "node-a", penv.GPUS_PER_NODE: str(ranks),
+                                  penv.COORDINATOR: f"127.0.0.1:{chan.store.port}",
                                   penv.LOG_LEVEL: "INFO"}, **env)
     return subprocess.Popen(
         [sys.executable, "-m", "lazarus_runtime.node_agent", "--",
@@ -61,8 +72,9 @@ def reports(tmp: Path, ranks: int) -> list[dict]:
     ("4,5", ["4", "5", "4"], "gloo"),            # three ranks on two GPUs share them
     ("4,5,6", ["4", "5", "6"], "nccl"),          # a GPU each
 ])
-def test_each_rank_is_started_on_its_own_device(tmp_path, visible, expected, backend):
-    agent = start_agent(tmp_path, 3, "exit", CUDA_VISIBLE_DEVICES=visible)
+def test_each_rank_is_started_on_its_own_device(tmp_path, coordinator, visible, expected,
+                                                backend):
+    agent = start_agent(tmp_path, coordinator, 3, "exit", CUDA_VISIBLE_DEVICES=visible)
     assert agent.wait(timeout=60) == 0  # every rank finished normally
     seen = reports(tmp_path, 3)
     assert [r["LAZARUS_LOCAL_RANK"] for r in seen] == ["0", "1", "2"]
@@ -72,20 +84,26 @@ def test_each_rank_is_started_on_its_own_device(tmp_path, visible, expected, bac
     assert {r["LAZARUS_NODE_NAME"] for r in seen} == {"node-a"}
 
 
-def test_the_launchers_backend_wins_over_the_nodes_own_view(tmp_path):
+def test_the_launchers_backend_wins_over_the_nodes_own_view(tmp_path, coordinator):
     # The local backend sees that two nodes' ranks share the machine's GPUs; each agent
     # alone would think it has a GPU per rank.
-    agent = start_agent(tmp_path, 2, "exit", CUDA_VISIBLE_DEVICES="0,1", LAZARUS_BACKEND="gloo")
+    agent = start_agent(tmp_path, coordinator, 2, "exit", CUDA_VISIBLE_DEVICES="0,1",
+                        LAZARUS_BACKEND="gloo")
     assert agent.wait(timeout=60) == 0
     assert {r["LAZARUS_BACKEND"] for r in reports(tmp_path, 2)} == {"gloo"}
 
 
 @pytest.mark.timeout(120)
-def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_path):
-    agent = start_agent(tmp_path, 3, "sleep", CUDA_VISIBLE_DEVICES="")
+def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_path,
+                                                                         coordinator):
+    agent = start_agent(tmp_path, coordinator, 3, "sleep", CUDA_VISIBLE_DEVICES="")
     pids = [r["pid"] for r in reports(tmp_path, 3)]
+    members = ["node-a/0", "node-a/1", "node-a/2"]
+    assert coordinator.exits(members) == {}
     os.kill(pids[1], signal.SIGKILL)  # a GPU failed and took its rank with it
-    time.sleep(1.0)
+    wait_until(lambda: coordinator.exits(members), timeout=10,
+               what="the agent to report its dead rank")
+    assert coordinator.exits(members) == {"node-a/1": -signal.SIGKILL}
     assert agent.poll() is None, "the agent must outlive one of its ranks"
     assert alive(pids[0]) and alive(pids[2])
     assert not any(p.pid == pids[1] for p in psutil.Process(agent.pid).children())  # no restart
@@ -98,8 +116,8 @@ def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_pat
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_agent_takes_its_ranks_with_it(tmp_path):
-    agent = start_agent(tmp_path, 2, "sleep", CUDA_VISIBLE_DEVICES="")
+def test_a_killed_agent_takes_its_ranks_with_it(tmp_path, coordinator):
+    agent = start_agent(tmp_path, coordinator, 2, "sleep", CUDA_VISIBLE_DEVICES="")
     pids = [r["pid"] for r in reports(tmp_path, 2)]
     agent.kill()  # the node is lost: no half of it may go on
     agent.wait(timeout=10)

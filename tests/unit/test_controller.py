@@ -308,3 +308,20 @@ def test_losing_gpus_below_the_slots_the_replicas_need_waits_for_capacity():
     out = c.handle(state, c.GpusLost((gpu_nodes("n1")[0].without_gpus({1}),)), T0 + 1)
     assert _kinds(out) == ["Wait"]
     assert "6 expert slots" in out.decisions[0].message and out.state.stale
+
+
+def test_a_gpu_whose_rank_resumes_rejoins_the_plan_at_a_step_boundary():
+    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2)
+    full = gpu_nodes("n0", "n1", "n2")
+    state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)), c.NodesJoined(full), T0).state
+    state = c.handle(state, c.Progress(step=4, generation=1), T0).state
+    frozen = [n.without_gpus({1}) if n.name == "n2" else n for n in full]
+    state = c.handle_all(state, c.observe(state, frozen, ()), T0 + 1).state  # generation 2
+    state = c.handle(state, c.Progress(step=5, generation=2), T0 + 2).state
+    events = c.observe(state, full, ())  # its rank beats again
+    assert events == [c.GpusBack((full[2],))]
+    out = c.handle_all(state, events, T0 + 3)
+    assert out.decisions == () and out.state.pending == "NodeJoined"  # not mid-step
+    pub = _published(c.handle(out.state, c.Progress(step=6, generation=2), T0 + 4))
+    assert pub.plan.generation == 3 and pub.plan.world_size == 6
+    assert pub.plan.nodes[pub.plan.node_index("n2")].devices in ((0, 1), (1, 0))

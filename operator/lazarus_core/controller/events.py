@@ -24,6 +24,13 @@ class GpusLost:
 
 
 @dataclass(frozen=True)
+class GpusBack:
+    """These nodes have usable GPUs again whose rank had been lost (a frozen rank process
+    that resumed): they can be given their place in the plan again, as joining capacity."""
+    nodes: tuple[NodeSpec, ...]
+
+
+@dataclass(frozen=True)
 class SpotNotice:
     """These nodes will be reclaimed soon but are still alive."""
     names: tuple[str, ...]
@@ -73,8 +80,8 @@ class Tick:
     """Time has passed; lets the core act on deadlines it asked for (``Outcome.retry_at``)."""
 
 
-Event = Union[NodesLost, GpusLost, SpotNotice, NodesJoined, Progress, RebalanceDue, SpecChanged,
-              Tick]
+Event = Union[NodesLost, GpusLost, GpusBack, SpotNotice, NodesJoined, Progress, RebalanceDue,
+              SpecChanged, Tick]
 
 
 def observe(state: JobState, live: Sequence[NodeSpec], noticed: Iterable[str]) -> list[Event]:
@@ -87,15 +94,19 @@ def observe(state: JobState, live: Sequence[NodeSpec], noticed: Iterable[str]) -
     lost = tuple(sorted(state.alive - live_names))
     joined = tuple(n for n in sorted(live, key=lambda n: n.name) if n.name not in state.alive)
     known = {n.name: n for n in state.nodes}
-    # A rank never comes back on its GPU (its agent restarts nothing): only fewer count.
-    shrunk = tuple(n for n in sorted(live, key=lambda n: n.name) if n.name in known
-                   and set(n.devices) < set(known[n.name].devices))
+    ordered = sorted(live, key=lambda n: n.name)
+    shrunk = tuple(n for n in ordered if n.name in known
+                   and not set(known[n.name].devices) <= set(n.devices))
+    grown = tuple(n for n in ordered if n.name in known
+                  and set(known[n.name].devices) < set(n.devices))
     notices = tuple(sorted((set(noticed) & live_names) - state.noticed))
     events: list[Event] = []
     if lost:
         events.append(NodesLost(lost))
     if shrunk:
         events.append(GpusLost(shrunk))
+    if grown:
+        events.append(GpusBack(grown))
     if notices:
         events.append(SpotNotice(notices))
     if joined:

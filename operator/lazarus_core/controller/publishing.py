@@ -71,8 +71,10 @@ def choose(state: JobState) -> list[NodeSpec]:
 
 
 def would_grow(state: JobState) -> bool:
-    in_plan = {n.name for n in state.plan.nodes} if state.plan else set()
-    return any(n.name not in in_plan for n in choose(state))
+    """The next plan would run ranks the current one does not: a new node, or a GPU of a
+    plan node back from a lost rank."""
+    in_plan = {(n.name, d) for n in state.plan.nodes for d in n.devices} if state.plan else set()
+    return any((n.name, d) not in in_plan for n in choose(state) for d in n.devices)
 
 
 def as_floats(loads) -> list[list[float]]:

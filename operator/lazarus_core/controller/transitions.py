@@ -20,8 +20,8 @@ from ..job_spec import JobSpec, SpecError, Violation
 from ..solver import allocate_layers
 from ..topology import NodeSpec
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
-from .events import (Event, GpusLost, NodesJoined, NodesLost, Progress, RebalanceDue,
-                     SpecChanged, SpotNotice, Tick)
+from .events import (Event, GpusBack, GpusLost, NodesJoined, NodesLost, Progress,
+                     RebalanceDue, SpecChanged, SpotNotice, Tick)
 from .publishing import as_floats, choose, names, publish, usable, would_grow
 from .reasons import (GPU_LOST, INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN,
                       SPEC_CHANGED, SPOT_NOTICE, STALLED)
@@ -36,6 +36,8 @@ def handle(state: JobState, event: Event, now: float) -> Outcome:
         return _on_lost(state, set(event.names), now)
     if isinstance(event, GpusLost):
         return _on_gpus_lost(state, event.nodes, now)
+    if isinstance(event, GpusBack):
+        return _on_gpus_back(state, event.nodes, now)
     if isinstance(event, SpotNotice):
         return _on_notice(state, set(event.names), now)
     if isinstance(event, NodesJoined):
@@ -90,7 +92,7 @@ def _on_lost(state: JobState, lost: set[str], now: float) -> Outcome:
 def _on_gpus_lost(state: JobState, shrunk: Sequence[NodeSpec], now: float) -> Outcome:
     known = {n.name: n for n in state.nodes}
     shrunk = [n for n in shrunk
-              if n.name in known and set(n.devices) < set(known[n.name].devices)]
+              if n.name in known and not set(known[n.name].devices) <= set(n.devices)]
     if not shrunk:
         return Outcome(state)
     fewer = {n.name: n for n in shrunk}
@@ -102,6 +104,23 @@ def _on_gpus_lost(state: JobState, shrunk: Sequence[NodeSpec], now: float) -> Ou
     if not any(n.name in fewer for n in state.plan.nodes):
         return Outcome(state)  # a node outside the plan: nothing to re-plan
     return publish(state, GPU_LOST, now, f"lost {names(gone)}")
+
+
+def _on_gpus_back(state: JobState, grown: Sequence[NodeSpec], now: float) -> Outcome:
+    """GPUs whose rank resumed: capacity that joins, at a step boundary while training."""
+    known = {n.name: n for n in state.nodes}
+    more = {n.name: n for n in grown
+            if n.name in known and set(known[n.name].devices) < set(n.devices)}
+    if not more:
+        return Outcome(state)
+    state = dataclasses.replace(state, nodes=tuple(more.get(n.name, n) for n in state.nodes))
+    if state.plan is None or state.stale:
+        return _advance(state, now)
+    if not would_grow(state):
+        return Outcome(state)
+    if state.training:
+        return Outcome(dataclasses.replace(state, pending=NODE_JOINED))
+    return publish(state, NODE_JOINED, now, f"GPUs of {names(more)} are back")
 
 
 def _on_notice(state: JobState, noticed: set[str], now: float) -> Outcome:
