@@ -25,7 +25,8 @@ from .capacity import not_spot_affinity
 INDEX_LABEL = f"{GROUP}/index"
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
 DEFAULT_IMAGE = "ghcr.io/lazarus-moe/runtime:0.1.0"
-DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.worker"]
+# A worker pod is a node: its agent runs a rank process per GPU (gpusPerNode of them).
+DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.node_agent"]
 COORDINATOR_COMMAND = ["python", "-m", "lazarus_runtime.cluster_coordinator"]
 WORKER_PORT = 29500  # gloo/NCCL bootstrap
 COORDINATOR_PORT = 29400  # the coordinator's rendezvous store (c10d TCPStore)

@@ -55,9 +55,9 @@ def job_manifest(name: str, namespace: str, checkpoint: Path, **spec) -> dict:
     """examples/tiny-cpu.yaml on this test's scratch nodes, its pods run by the local kubelet."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
-    doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace})
     doc["spec"] |= {"rebalanceEverySteps": 0,
                     "checkpoint": {"path": str(checkpoint), "everySteps": 5}} | spec
+    doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace})  # GPUs: gpusPerNode
     # A dead peer is noticed through the plan long before this; it only bounds a collective
     # whose peer froze.
     doc["spec"]["template"]["env"] = [{"name": "LAZARUS_COLLECTIVE_TIMEOUT_S", "value": "30"},
@@ -232,7 +232,7 @@ def reference_losses(tmp: Path, steps: int) -> list[float]:
     from lazarus_runtime.local_backend import LocalJob
 
     name, spec = parse_manifest(job_manifest("reference", "default", tmp / "ref-ckpt"))
-    return LocalJob(name, spec, 2, steps, checkpoint_dir=tmp / "ref-ckpt").run().losses
+    return LocalJob(name, spec, 2, steps, checkpoint_dir=tmp / "ref-ckpt", gpus=()).run().losses
 
 
 def assert_losses_match(stack: Stack, m: dict, scenario: str | None = None) -> None:
@@ -268,6 +268,47 @@ def test_a_deleted_node_costs_one_reconfiguration_and_the_losses_match(cluster, 
     commits = stack.commits()
     assert commits == sorted(set(commits)), "a committed step was committed again"
     assert_losses_match(stack, m)
+
+
+def test_two_ranks_per_node_survive_a_lost_rank_then_a_lost_node(cluster, stack,
+                                                                  scratch_nodes):
+    # Each worker pod runs the node agent with gpusPerNode rank processes (on the CPU here).
+    # 4 slots per rank: the 2 ranks left at the end hold the 4 experts x 2 replicas.
+    scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+    stack.apply(replicas=2, minNodes=1, gpusPerNode=2)
+    stack.wait_step(6)
+    assert len(stack.plan_nodes()) == 2
+    [first] = stack.events("plan")
+    assert first["workers"] == 4, first  # two nodes, two ranks each
+    pod = stack.jobs.workers(stack.name)[-1]
+    agent, *ranks = pod_processes(stack, pod.metadata.name)
+    assert len(ranks) == 2
+    generation = stack.generation()
+
+    fault_at = time.time()
+    ranks[1].kill()  # one GPU fails: its rank dies, its agent and the other rank go on
+    stack.wait_step(stack.last_step() + 3, after_generation=generation)
+    m = stack.measure("a rank of a node lost (its GPU)", fault_at, generation)
+    [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
+    assert plan["reason"] == "GpuLost" and plan["workers"] == 3, plan
+    assert pod.spec.node_name in stack.plan_nodes() and agent.is_running()
+    assert [e["worker"] for e in stack.events("lost")] == [f"{pod.spec.node_name}/1"]
+    assert m["fault_to_next_step_s"] < RECOVERY_TARGET_S, m
+    assert_nothing_lost(m)
+
+    generation = stack.generation()
+    fault_at = time.time()
+    faults.delete_node(cluster.core, pod.spec.node_name)  # now the whole node
+    stack.wait_step(stack.last_step() + 3, after_generation=generation)
+    m = stack.measure("the node of the lost rank deleted", fault_at, generation)
+    [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
+    assert plan["reason"] == "NodeLost" and plan["workers"] == 2, plan
+    assert pod.spec.node_name not in stack.plan_nodes() and len(stack.plan_nodes()) == 1
+    assert m["fault_to_next_step_s"] < NODE_LOSS_TARGET_S, m
+    commits = stack.commits()
+    assert commits == sorted(set(commits)), "a committed step was committed again"
+    assert_nothing_lost(m)
+    assert_losses_match(stack, m, "the node of the lost rank deleted")
 
 
 def sole_holders(plan: dict) -> set[str]:

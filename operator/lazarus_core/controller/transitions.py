@@ -114,13 +114,7 @@ def _on_gpus_back(state: JobState, grown: Sequence[NodeSpec], now: float) -> Out
     if not more:
         return Outcome(state)
     state = dataclasses.replace(state, nodes=tuple(more.get(n.name, n) for n in state.nodes))
-    if state.plan is None or state.stale:
-        return _advance(state, now)
-    if not would_grow(state):
-        return Outcome(state)
-    if state.training:
-        return Outcome(dataclasses.replace(state, pending=NODE_JOINED))
-    return publish(state, NODE_JOINED, now, f"GPUs of {names(more)} are back")
+    return _grown(state, now, f"GPUs of {names(more)} are back")
 
 
 def _on_notice(state: JobState, noticed: set[str], now: float) -> Outcome:
@@ -140,13 +134,19 @@ def _on_joined(state: JobState, nodes: Sequence[NodeSpec], now: float) -> Outcom
     if not fresh:
         return Outcome(state)
     state = dataclasses.replace(state, nodes=state.nodes + tuple(fresh))
+    return _grown(state, now, f"{names(n.name for n in fresh)} joined")
+
+
+def _grown(state: JobState, now: float, why: str) -> Outcome:
+    """Capacity joined (``state`` holds it): plan into it at the next step boundary while
+    training, at once otherwise."""
     if state.plan is None or state.stale:
         return _advance(state, now)
     if not would_grow(state):
         return Outcome(state)
     if state.training:
         return Outcome(dataclasses.replace(state, pending=NODE_JOINED))
-    return publish(state, NODE_JOINED, now, f"{names(n.name for n in fresh)} joined")
+    return publish(state, NODE_JOINED, now, why)
 
 
 def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
