@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from elastic_jobs import Fault, manifest, run
 from gloo_harness import free_port, run_gloo
-from lazarus_core import process_env as penv
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
@@ -143,14 +142,16 @@ def test_four_ranks_sharing_the_gpu_over_gloo_train_what_one_rank_trains():
 
 @pytest.mark.timeout(600)
 def test_a_sigkilled_rank_on_the_gpu_is_survived(tmp_path):
-    path = manifest(tmp_path, "gpu-kill", runtime={**RUNTIME, "experts": 4, "layers": 2})
-    # Every rank on the one GPU, sharing it over gloo.
-    on_gpu = {penv.DEVICE: "cuda", penv.BACKEND: "gloo"}
-    result = run(path, workers=4, kills=[Fault(10, names=("worker-2",))], steps=20,
-                 worker_env=on_gpu)
+    # 2 nodes x 2 ranks, all on the one GPU: the local backend sees that they share it and
+    # runs them over gloo (devices.share_machine). One rank is killed, as a GPU that fails.
+    path = manifest(tmp_path, "gpu-kill", runtime={**RUNTIME, "experts": 4, "layers": 2},
+                    gpusPerNode=2, minNodes=1)
+    result = run(path, workers=2, kills=[Fault(10, names=("worker-1/1",))], steps=20,
+                 gpus=None)
     assert result.steps_completed == 20
     assert result.samples_lost == 0 and result.samples_duplicated == 0
     (reconfig,) = result.reconfigurations
+    assert reconfig["reason"] == "GpuLost" and result.workers == 3, reconfig
     record("SIGKILLed rank on the GPU", seconds_to_next_step=reconfig["seconds"],
            **reconfig["breakdown"])
     assert reconfig["seconds"] < 10.0, reconfig
