@@ -13,3 +13,4 @@ from testcluster.fixtures import (  # noqa: E402,F401
     scratch_nodes,
 )
 from testcluster.kubelet import local_kubelet  # noqa: E402,F401
+from testcluster.s3server import s3_bucket, s3_server  # noqa: E402,F401

@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ class WorkerSettings:
     collective_timeout_s: float = 60.0
     # How long to wait for the coordinator's next plan before giving up.
     plan_timeout_s: float = 300.0
-    checkpoint_dir: Path | None = None
+    checkpoints: checkpoint.Checkpoints | None = None
     checkpoint_every: int = 0
     device: str = "cpu"
 
@@ -195,10 +194,11 @@ class Worker:
     def _restore(self, d: Directive, rank: int, comm: Collectives) -> None:
         engine = Engine(self.cfg, d.plan, rank, comm, self.batches, self.settings.device)
         if d.restore_step:
-            ck = checkpoint.latest(self.settings.checkpoint_dir, at_most=d.restore_step)
+            store = self.settings.checkpoints
+            ck = store.latest(at_most=d.restore_step) if store is not None else None
             if ck is None or ck.step != d.restore_step:
                 raise RuntimeError(f"checkpoint of step {d.restore_step} not found in "
-                                   f"{self.settings.checkpoint_dir}")
+                                   f"{store.storage.root if store else 'no checkpoint path'}")
             engine.load_state(*ck.load(set(engine.held_experts())))
         self.engine = engine
         self.committed = d.restore_step
@@ -230,12 +230,13 @@ class Worker:
 
     def _maybe_checkpoint(self, d: Directive, rank: int, step: int) -> None:
         every = self.settings.checkpoint_every
-        if not every or step % every or self.settings.checkpoint_dir is None:
+        store = self.settings.checkpoints
+        if not every or step % every or store is None:
             return
         owned = {key: self.engine.expert_state(key)
                  for key in checkpoint.owned_experts(d.plan, rank)}
         dense = self.engine.dense_state() if rank == 0 else None
-        info = checkpoint.write_shard(self.settings.checkpoint_dir, step, rank, owned, dense)
+        info = store.write_shard(step, rank, owned, dense)
         self.chan.checkpoint_written(d.generation, step, rank, info)
         if rank != 0:
             return
@@ -245,8 +246,7 @@ class Worker:
             self.settings.collective_timeout_s, f"checkpoint of step {step}",
             interrupted=lambda: self.chan.latest() > d.generation)
         if done:
-            checkpoint.write_manifest(self.settings.checkpoint_dir, step,
-                                      self.chan.checkpoint_shards(d.generation, step, world))
+            store.write_manifest(step, self.chan.checkpoint_shards(d.generation, step, world))
             self.chan.set_checkpoint(step)
 
 
@@ -267,9 +267,10 @@ def main() -> int:
         return 2
     host, port = os.environ["LAZARUS_COORDINATOR"].rsplit(":", 1)
     cfg = RuntimeConfig.from_manifest(json.loads(os.environ["LAZARUS_RUNTIME"]))
-    checkpoint_dir = os.environ.get("LAZARUS_CHECKPOINT_PATH")
+    checkpoint_path = os.environ.get("LAZARUS_CHECKPOINT_PATH")
     settings = WorkerSettings(
-        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+        checkpoints=checkpoint.Checkpoints.open(checkpoint_path, None)
+        if checkpoint_path else None,
         checkpoint_every=int(os.environ.get("LAZARUS_CHECKPOINT_EVERY_STEPS") or 0),
         collective_timeout_s=float(os.environ.get("LAZARUS_COLLECTIVE_TIMEOUT_S", "60")),
     )
