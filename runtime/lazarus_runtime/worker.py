@@ -236,7 +236,14 @@ class Worker:
         owned = {key: self.engine.expert_state(key)
                  for key in checkpoint.owned_experts(d.plan, rank)}
         dense = self.engine.dense_state() if rank == 0 else None
-        info = store.write_shard(step, rank, owned, dense)
+        superseded = lambda: self.chan.latest() > d.generation  # noqa: E731
+        # A storage fault skips this checkpoint, never the training: the shard's entry says
+        # why instead, and rank 0 writes no manifest for the step.
+        try:
+            info = store.write_shard(step, rank, owned, dense, interrupted=superseded)
+        except checkpoint.CheckpointWriteFailed as e:
+            log.warning("%s: checkpoint of step %d skipped: %s", self.node, step, e)
+            info = {"error": str(e)}
         self.chan.checkpoint_written(d.generation, step, rank, info)
         if rank != 0:
             return
@@ -244,10 +251,19 @@ class Worker:
         done = self.chan.wait_until(
             lambda: self.chan.checkpoint_count(d.generation, step) >= world,
             self.settings.collective_timeout_s, f"checkpoint of step {step}",
-            interrupted=lambda: self.chan.latest() > d.generation)
-        if done:
-            store.write_manifest(step, self.chan.checkpoint_shards(d.generation, step, world))
-            self.chan.set_checkpoint(step)
+            interrupted=superseded)
+        if not done:
+            return
+        shards = self.chan.checkpoint_shards(d.generation, step, world)
+        if failed := [s["error"] for s in shards if "error" in s]:
+            log.warning("%s: no checkpoint of step %d: %s", self.node, step, failed[0])
+            return
+        try:
+            store.write_manifest(step, shards, interrupted=superseded)
+        except checkpoint.CheckpointWriteFailed as e:
+            log.warning("%s: no checkpoint of step %d: %s", self.node, step, e)
+            return
+        self.chan.set_checkpoint(step)
 
 
 def main() -> int:
