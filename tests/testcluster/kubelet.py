@@ -4,7 +4,11 @@ machine, and its status is reported through the API, so full-stack e2e tests run
 workers on the real scheduler's choice of kwok node.
 
 Only what those tests need: no images (``python`` is this test's interpreter), no volumes, no
-probes, and a process is never restarted, whatever the pod's restartPolicy. Pod deletion
+probes, and a process is never restarted, whatever the pod's restartPolicy. Each process
+gets a working directory and HOME of its own (its pod's folder), as each container has its
+own filesystem: two pods share files only through an absolute path both name, the stand-in
+for a shared volume. Secrets reach the environment as the kubelet passes them (``envFrom``
+and ``valueFrom.secretKeyRef``); a missing one leaves the pod waiting, as on a real node. Pod deletion
 stops the process (SIGTERM, then SIGKILL after the grace period); node deletion SIGKILLs
 every process on that node, as a reclaimed spot instance would.
 
@@ -28,7 +32,6 @@ from pathlib import Path
 
 import pytest
 
-from testcluster.local import REPO
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +76,39 @@ def _field_ref(pod, path: str) -> str:
     return fields[path]
 
 
-def _container_env(pod, container) -> dict[str, str]:
-    """The test's basics, not its whole environment (no admin KUBECONFIG), then the container's."""
+class _ConfigError(ValueError):
+    """The container's configuration cannot be resolved (a missing Secret or key)."""
+
+
+def _container_env(pod, container, secret) -> dict[str, str]:
+    """The test's basics, not its whole environment (no admin KUBECONFIG), then the
+    container's. ``secret(name)`` reads a Secret's data, or None when it does not exist."""
     # Unbuffered, so a SIGKILLed process's log still holds everything it printed.
     env = {k: os.environ[k] for k in BASE_ENV if k in os.environ} | {"PYTHONUNBUFFERED": "1"}
+    for source in container.env_from or []:
+        if source.secret_ref is None:
+            raise ValueError("envFrom: only secretRef is supported by the local kubelet")
+        data = secret(source.secret_ref.name)
+        if data is None:
+            if source.secret_ref.optional:
+                continue
+            raise _ConfigError(f'secret "{source.secret_ref.name}" not found')
+        env |= {(source.prefix or "") + k: v for k, v in data.items()}
     for var in container.env or []:
         if var.value_from is None:
             value = _expand(var.value or "", env)
         elif var.value_from.field_ref is not None:
             value = _field_ref(pod, var.value_from.field_ref.field_path)
+        elif var.value_from.secret_key_ref is not None:
+            ref = var.value_from.secret_key_ref
+            value = (secret(ref.name) or {}).get(ref.key)
+            if value is None:
+                if ref.optional:
+                    continue
+                raise _ConfigError(f"couldn't find key {ref.key} in Secret {ref.name}")
         else:
-            raise ValueError(f"env {var.name}: only value and valueFrom.fieldRef are supported by the local kubelet")
+            raise ValueError(f"env {var.name}: only value and valueFrom.fieldRef or "
+                             f"secretKeyRef are supported by the local kubelet")
         env[var.name] = SERVICE_HOST.sub(LOCAL_IP, value)
     return env
 
@@ -138,6 +163,10 @@ class LocalKubelet:
 
     def log_path(self, pod_name: str) -> Path:
         return self._log_dir / pod_name / "output.log"
+
+    def home(self, pod_name: str) -> Path:
+        """The working directory and HOME of a pod's process: its own, like a container's."""
+        return self._log_dir / pod_name / "home"
 
     def process(self, pod_name: str) -> subprocess.Popen | None:
         """The process last started for a pod of that name, also after it ended."""
@@ -199,7 +228,7 @@ class LocalKubelet:
     def _start(self, pod) -> None:
         name, container = pod.metadata.name, pod.spec.containers[0]
         try:
-            env = _container_env(pod, container)
+            env = _container_env(pod, container, self._secret)
             # The DNS stand-in applies to arguments too: an address may be passed either way.
             argv = [SERVICE_HOST.sub(LOCAL_IP, _expand(arg, env))
                     for arg in (container.command or []) + (container.args or [])]
@@ -207,22 +236,36 @@ class LocalKubelet:
                 raise ValueError("the container has no command; the local kubelet cannot run an image's entrypoint")
             if argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
-            self.log_path(name).parent.mkdir(parents=True, exist_ok=True)
+            home = self.home(name)
+            home.mkdir(parents=True, exist_ok=True)
+            env["HOME"] = str(home)
             if pod.spec.automount_service_account_token is not False:
                 env["KUBECONFIG"] = str(self._write_kubeconfig(pod))
             with self._lock:
                 if self._stopped.is_set() or pod.spec.node_name in self._dead_nodes:
                     return
                 with open(self.log_path(name), "ab") as out:
-                    popen = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                    popen = subprocess.Popen(argv, cwd=home, env=env, stdin=subprocess.DEVNULL,
                                              stdout=out, stderr=subprocess.STDOUT)
                 self._procs[name] = _Process(popen, pod.metadata.uid, pod.spec.node_name, container, _now())
         except (ValueError, OSError) as e:
             # The monitor reports Running; a pod that cannot start stays Pending and says why.
+            reason = "CreateContainerConfigError" if isinstance(e, _ConfigError) else "CreateContainerError"
             self._core.patch_namespaced_pod_status(name, self._namespace, {"status": {"containerStatuses": [{
                 "name": container.name, "image": container.image, "imageID": "", "ready": False,
-                "restartCount": 0, "state": {"waiting": {"reason": "CreateContainerError", "message": str(e)}},
+                "restartCount": 0, "state": {"waiting": {"reason": reason, "message": str(e)}},
             }]}})
+
+    def _secret(self, name: str) -> dict[str, str] | None:
+        from kubernetes import client
+
+        try:
+            data = self._core.read_namespaced_secret(name, self._namespace).data or {}
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
 
     def _write_kubeconfig(self, pod) -> Path:
         """A kubeconfig with a token bound to the pod, so the process has exactly its
