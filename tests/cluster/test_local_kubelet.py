@@ -230,3 +230,22 @@ def test_a_pod_whose_secret_is_missing_waits_and_says_why(cluster, namespace, sc
         and s[0].state.waiting, timeout=30, what="the pod to report why it waits")
     assert waiting.reason == "CreateContainerConfigError" and "absent" in waiting.message
     assert local_kubelet.process("worker") is None
+
+
+def test_a_failed_process_leaves_its_last_log_lines_as_the_termination_message(
+        cluster, namespace, scratch_nodes, local_kubelet):
+    [[node]] = scratch_nodes("gpu-spot").values()
+    for name, policy in (("fallback", "FallbackToLogsOnError"), ("file", "File")):
+        pod = kubelet_pod(name, node, """
+            import sys
+            print("\\n".join(f"line {i}" for i in range(200)))
+            sys.exit("error: spec.runtime.model: unknown model 'gpt-xxl'")
+        """)
+        pod["spec"]["containers"][0]["terminationMessagePolicy"] = policy
+        cluster.core.create_namespaced_pod(namespace, pod)
+    fallback = wait_pod_phase(cluster.core, namespace, "fallback", "Failed", timeout=30)
+    message = fallback.status.container_statuses[0].state.terminated.message
+    assert message.endswith("error: spec.runtime.model: unknown model 'gpt-xxl'")
+    assert len(message.splitlines()) == 80 and len(message) <= 2048
+    file = wait_pod_phase(cluster.core, namespace, "file", "Failed", timeout=30)
+    assert file.status.container_statuses[0].state.terminated.message is None

@@ -46,6 +46,9 @@ WATCH_TIMEOUT_S = 10  # also how long a stopped kubelet's watch threads may ling
 RETRY_S = 1.0
 MAX_GRACE_S = 10
 TOKEN_TTL_S = 3600
+# A failed container's log tail, as the kubelet's FallbackToLogsOnError takes it.
+TERMINATION_MESSAGE_BYTES = 2048
+TERMINATION_MESSAGE_LINES = 80
 # No cluster DNS or kube-proxy runs here, and every process listens on this host: a Service
 # address NAME.NAMESPACE.svc[.cluster.local] must reach 127.0.0.1 (the port is kept).
 SERVICE_HOST = re.compile(r"(?<![\w.-])[a-z0-9-]+\.[a-z0-9-]+\.svc(?:\.cluster\.local)?(?![\w.-])")
@@ -321,6 +324,8 @@ class LocalKubelet:
             state = {"terminated": {
                 "exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else "Error",
                 "startedAt": proc.started_at, "finishedAt": now}}
+            if code != 0 and proc.container.termination_message_policy == "FallbackToLogsOnError":
+                state["terminated"]["message"] = self._log_tail(name)
         ready = {"status": str(running), "lastTransitionTime": now, "reason": None if running else "PodCompleted"}
         self._core.patch_namespaced_pod_status(name, self._namespace, {"status": {
             "phase": phase, "podIP": REPORTED_IP, "podIPs": [{"ip": REPORTED_IP}],
@@ -331,6 +336,15 @@ class LocalKubelet:
                                    "ready": running, "started": running, "restartCount": 0, "state": state}],
         }})
         proc.reported = phase
+
+    def _log_tail(self, name: str) -> str:
+        """What a kubelet puts in a failed container's termination message under
+        FallbackToLogsOnError: the log's last 80 lines, at most its last 2048 bytes."""
+        try:
+            data = self.log_path(name).read_bytes()[-TERMINATION_MESSAGE_BYTES:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-TERMINATION_MESSAGE_LINES:])
 
     def _finish_deletion(self, name: str, uid: str) -> None:
         """What the kubelet does once the pod's containers have stopped: delete it for good."""
