@@ -150,8 +150,9 @@ class Applier:
         missing = state.missing_workers(len(obs.starting))
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6) if i not in obs.used_indices)
+        uid = body["metadata"]["uid"]
         pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
-                                          self.coordinator_port)
+                                          self.coordinator_port, job_uid=uid)
                 for _ in range(missing)]
         list(self._batch.map(
             lambda pod: create_owned(body, self.core.create_namespaced_pod, pod), pods))
@@ -173,7 +174,8 @@ class Applier:
         create_owned(body, self.core.create_namespaced_service,
                      builders.build_coordinator_service(name, namespace, port))
         create_owned(body, self.core.create_namespaced_pod,
-                     builders.build_coordinator_pod(name, namespace, spec, port))
+                     builders.build_coordinator_pod(name, namespace, spec, port,
+                                                    job_uid=body["metadata"]["uid"]))
         record.objects_ready = True
 
     # --- status --------------------------------------------------------------------------

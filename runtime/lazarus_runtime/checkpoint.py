@@ -246,6 +246,10 @@ class Checkpoints:
         """Every complete checkpoint (no later than ``at_most``), newest first."""
         return list(self._scan(at_most))
 
+    def at(self, step: int) -> Checkpoint:
+        """The complete checkpoint of ``step``; CheckpointError when there is none."""
+        return self._complete(step)
+
     def latest(self, at_most: int | None = None) -> Checkpoint | None:
         """The newest complete checkpoint (no later than ``at_most``), its shards unread."""
         return next(self._scan(at_most), None)

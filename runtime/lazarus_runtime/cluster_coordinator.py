@@ -29,6 +29,7 @@ from lazarus_core.cluster_contract import (JOB_LABEL, PROGRESS_ANNOTATION, ROLE_
 from lazarus_core.controller import STALLED, Progress
 from lazarus_core.plan import Plan, PlanError
 
+from .checkpoint import Checkpoints
 from .coordination import PreparedStep, StepCoordinator
 from .job_channel import JobChannel
 
@@ -149,12 +150,12 @@ class ProgressReporter:
 
 class ClusterCoordinator:
     def __init__(self, chan: JobChannel, plans: PlanFollower, progress: ProgressReporter,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, checkpoints: Checkpoints | None = None):
         self.chan = chan
         self.total_steps = total_steps
         self.plans = plans
         self.progress = progress
-        self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line))
+        self.steps = StepCoordinator(chan, lambda line: emit("info", message=line), checkpoints)
         self.pending: Published | None = None  # the newest plan, not published yet
         self.seen = 0
         self.stopping = threading.Event()
@@ -248,7 +249,9 @@ def main() -> int:
     coordinator = ClusterCoordinator(JobChannel(store),
                                      PlanFollower(core, env.namespace, env.plan_configmap).start(),
                                      ProgressReporter(core, env.namespace, env.job).start(),
-                                     env.steps)
+                                     env.steps,
+                                     Checkpoints.open(env.checkpoint_path, env.job_uid)
+                                     if env.checkpoint_path else None)
     # Deleting the job deletes this pod: tell the workers to stop rather than time out.
     signal.signal(signal.SIGTERM, lambda *_: coordinator.stopping.set())
     emit("serving", port=env.port, job=env.job)

@@ -18,6 +18,7 @@ from lazarus_core.controller import Progress
 from lazarus_core.handover import plan_handover
 from lazarus_core.plan import Plan
 
+from .checkpoint import Checkpoints
 from .job_channel import Directive, JobChannel, StepReport
 
 
@@ -68,9 +69,12 @@ class PreparedStep:
 
 
 class StepCoordinator:
-    def __init__(self, chan: JobChannel, on_event: Callable[[str], None] = lambda line: None):
+    def __init__(self, chan: JobChannel, on_event: Callable[[str], None] = lambda line: None,
+                 checkpoints: Checkpoints | None = None):
         self.chan = chan
         self.on_event = on_event
+        # The job's checkpoints, read to choose the one to restore (None: not configured).
+        self.checkpoints = checkpoints
         self.adopted: Plan | None = None
         self.directive: Directive | None = None
         self.committed = 0
@@ -130,6 +134,9 @@ class StepCoordinator:
             self.committed = boundary.step
         handover = plan_handover(self.adopted, plan, alive, self.committed,
                                  self.chan.checkpoint())
+        if handover.restore_step is not None and self.checkpoints is not None:
+            handover = plan_handover(self.adopted, plan, alive, self.committed,
+                                     self._restorable())
         directive = Directive.of(plan, handover)
         if handover.restore_step is not None:
             restored = handover.restore_step
@@ -156,6 +163,20 @@ class StepCoordinator:
                       + (f", restored step {handover.restore_step}"
                          if handover.restore_step is not None else ""))
         return directive
+
+    def _restorable(self) -> int | None:
+        """The newest checkpoint whose every shard reads back whole: a corrupt or partial
+        newer one is skipped, so every worker loads the same good state. Storage trouble
+        falls back to the step the workers last recorded."""
+        try:
+            ck, skipped = self.checkpoints.newest_intact()
+        except Exception as e:  # noqa: BLE001 - an unreachable store must not stop the job
+            self.on_event(f"could not read the checkpoints ({e}); trying the one of step "
+                          f"{self.chan.checkpoint()}")
+            return self.chan.checkpoint()
+        for why in skipped:
+            self.on_event(f"checkpoint skipped: {why}")
+        return ck.step if ck is not None else None
 
     def progress(self, step: PreparedStep) -> Progress:
         """The controller's progress event for ``step``: with the loads and the newest

@@ -209,12 +209,12 @@ class Worker:
     def _restore(self, d: Directive, rank: int, comm: Collectives) -> None:
         engine = Engine(self.cfg, d.plan, rank, comm, self.batches, self.settings.device)
         if d.restore_step:
+            # The coordinator chose a step whose every shard it read back whole.
             store = self.settings.checkpoints
-            ck = store.latest(at_most=d.restore_step) if store is not None else None
-            if ck is None or ck.step != d.restore_step:
-                raise RuntimeError(f"checkpoint of step {d.restore_step} not found in "
-                                   f"{store.storage.root if store else 'no checkpoint path'}")
-            engine.load_state(*ck.load(set(engine.held_experts())))
+            if store is None:
+                raise RuntimeError(f"told to restore step {d.restore_step}, but this worker "
+                                   f"has no checkpoint path")
+            engine.load_state(*store.at(d.restore_step).load(set(engine.held_experts())))
         self.engine = engine
         self.committed = d.restore_step
         log.info("%s: restored step %d for generation %d", self.node, d.restore_step,
@@ -293,7 +293,8 @@ def main() -> int:
     logging.basicConfig(level=env.log_level, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(env.threads)
     settings = WorkerSettings(
-        checkpoints=checkpoint.Checkpoints.open(env.checkpoint_path, None)
+        checkpoints=checkpoint.Checkpoints.open(env.checkpoint_path, env.job_uid,
+                                                env.checkpoint_keep)
         if env.checkpoint_path else None,
         checkpoint_every=env.checkpoint_every_steps,
         collective_timeout_s=env.collective_timeout_s,
