@@ -68,6 +68,7 @@ class Applier:
                 self.event(body, d.reason, d.message, "Warning",
                            f"g{generation}.{d.reason.lower()}")
         self._report_measured(body, before, state)
+        self._report_checkpoint_health(body, before, state)
         if not state.finished:  # a finished job's pods stay, with their logs
             delete_pods(self.core, self._batch, obs.doomed, namespace)
         self._right_size(body, spec, state, obs)
@@ -139,6 +140,27 @@ class Applier:
                        f"generation {g}: {state.experts_lost} (layer, expert) pairs had lost "
                        f"every replica; the workers restored the checkpoint of step "
                        f"{state.restored_step}", "Warning", f"g{g}.restore")
+
+    def _report_checkpoint_health(self, body: dict, before: core.JobState,
+                                  state: core.JobState) -> None:
+        """A metric for every checkpoint the workers skipped, and an Event when checkpoints
+        start failing and when they are written again."""
+        labels = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if state.spec.checkpoint is None:
+            return
+        metrics.CHECKPOINT_HEALTHY.labels(*labels).set(state.checkpoint_error is None)
+        skipped = state.checkpoint_failures - before.checkpoint_failures
+        if skipped > 0:
+            metrics.CHECKPOINT_WRITE_FAILURES.labels(*labels).inc(skipped)
+        if state.checkpoint_error is not None and before.checkpoint_error is None:
+            self.event(body, "CheckpointWriteFailed",
+                       f"{state.checkpoint_error}; training goes on", "Warning",
+                       f"checkpoint-failed.{state.checkpoint_failures}")
+        elif state.checkpoint_error is None and before.checkpoint_error is not None:
+            self.event(body, "CheckpointWritten",
+                       f"checkpoints are written again (step {state.checkpoint_step}) after "
+                       f"{state.checkpoint_failures} were skipped", "Normal",
+                       f"checkpoint-healed.{state.checkpoint_failures}")
 
     def _right_size(self, body: dict, spec: JobSpec, state: core.JobState,
                     obs: Observation) -> None:

@@ -182,10 +182,12 @@ class StepCoordinator:
         """The controller's progress event for ``step``: with the loads and the newest
         checkpoint, what this coordinator did to bring the workers to its generation."""
         r = next(r for r in reversed(self.reconfigs) if r.generation == step.generation)
+        error, failures = self.chan.checkpoint_health()
         return Progress(step=step.step, generation=step.generation,
                         loads=step.reports[0].loads, checkpoint_step=self.chan.checkpoint(),
                         experts_migrated=r.experts_migrated, restored_step=r.restored_step,
-                        experts_lost=r.experts_lost, restores=self.restores)
+                        experts_lost=r.experts_lost, restores=self.restores,
+                        checkpoint_error=error, checkpoint_failures=failures)
 
     def summaries(self) -> list[dict]:
         """The reconfigurations after the first plan, with the workers' own timings."""

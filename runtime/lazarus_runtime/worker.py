@@ -270,15 +270,18 @@ class Worker:
         if not done:
             return
         shards = self.chan.checkpoint_shards(d.generation, step, world)
-        if failed := [s["error"] for s in shards if "error" in s]:
+        failed = [s["error"] for s in shards if "error" in s]
+        if not failed:
+            try:
+                store.write_manifest(step, shards, interrupted=superseded)
+            except checkpoint.CheckpointWriteFailed as e:
+                failed = [str(e)]
+        if failed:
             log.warning("%s: no checkpoint of step %d: %s", self.node, step, failed[0])
-            return
-        try:
-            store.write_manifest(step, shards, interrupted=superseded)
-        except checkpoint.CheckpointWriteFailed as e:
-            log.warning("%s: no checkpoint of step %d: %s", self.node, step, e)
+            self.chan.report_checkpoint(step, f"checkpoint of step {step} skipped: {failed[0]}")
             return
         self.chan.set_checkpoint(step)
+        self.chan.report_checkpoint(step, None)
 
 
 def main() -> int:

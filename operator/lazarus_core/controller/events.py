@@ -49,6 +49,10 @@ class Progress:
     experts_lost: int = 0
     # Checkpoint restores of the whole run so far.
     restores: int = 0
+    # Why the latest checkpoint was skipped (a storage fault; training went on), or None
+    # when it was written or none was due yet; and how many were skipped so far.
+    checkpoint_error: str | None = None
+    checkpoint_failures: int = 0
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class JobState:
     restored_step: int | None = None
     experts_lost: int = 0
     restores: int = 0
+    checkpoint_error: str | None = None
+    checkpoint_failures: int = 0
     # A non-urgent change waiting for the next step boundary (its plan reason).
     pending: str | None = None
     # When enough nodes for a first plan had joined (start grace).

@@ -115,7 +115,9 @@ def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
         return Outcome(state)  # a late report from before the last one
     measured = dict(progress_generation=p.generation, progress_at=now,
                     experts_migrated=p.experts_migrated, restored_step=p.restored_step,
-                    experts_lost=p.experts_lost, restores=max(state.restores, p.restores))
+                    experts_lost=p.experts_lost, restores=max(state.restores, p.restores),
+                    checkpoint_error=p.checkpoint_error,
+                    checkpoint_failures=max(state.checkpoint_failures, p.checkpoint_failures))
     if state.spec.steps is not None and p.step >= state.spec.steps:
         return Outcome(dataclasses.replace(state, step=p.step, finished=True, pending=None,
                                            draining=frozenset(), **measured))
