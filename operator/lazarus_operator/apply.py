@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kopf
 from kubernetes import client
@@ -37,6 +37,14 @@ class JobRecord:
     plan_version: str | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
     published: int = 0
+    # Failed worker pods (uids) already told to the controller, so each counts once.
+    failures_seen: set[str] = field(default_factory=set)
+
+    def new_failures(self, obs: Observation) -> list[core.WorkerFailed]:
+        fresh = [(uid, node, why) for uid, node, why in obs.failed
+                 if uid not in self.failures_seen]
+        self.failures_seen.update(uid for uid, _, _ in fresh)
+        return [core.WorkerFailed(node, why) for _, node, why in fresh]
 
 
 class Applier:
@@ -69,6 +77,11 @@ class Applier:
                            f"g{generation}.{d.reason.lower()}")
         self._report_measured(body, before, state)
         self._report_checkpoint_health(body, before, state)
+        if state.start_failures > before.start_failures:
+            self.event(body, "WorkerStartFailed",
+                       f"a worker failed before completing a step ({state.start_error}); "
+                       f"the next one starts after a backoff", "Warning",
+                       f"start-failed.{state.start_failures}")
         if not state.finished:  # a finished job's pods stay, with their logs
             delete_pods(self.core, self._batch, obs.doomed, namespace)
         self._right_size(body, spec, state, obs)
@@ -169,7 +182,7 @@ class Applier:
         if state.finished:  # nothing will train on the pods still starting
             delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
             return
-        missing = state.missing_workers(len(obs.starting))
+        missing = state.missing_workers(len(obs.starting), self.clock())
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6) if i not in obs.used_indices)
         uid = body["metadata"]["uid"]

@@ -56,6 +56,14 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class WorkerFailed:
+    """The worker on ``node`` exited with an error (a lost node is NodesLost): ``message``
+    is what it said last. Before its first completed step, it failed to start."""
+    node: str
+    message: str
+
+
+@dataclass(frozen=True)
 class RebalanceDue:
     """Check now whether re-allocating replicas to the measured loads is worth it."""
 
@@ -70,7 +78,8 @@ class Tick:
     """Time has passed; lets the core act on deadlines it asked for (``Outcome.retry_at``)."""
 
 
-Event = Union[NodesLost, SpotNotice, NodesJoined, Progress, RebalanceDue, SpecChanged, Tick]
+Event = Union[NodesLost, SpotNotice, NodesJoined, Progress, WorkerFailed, RebalanceDue,
+              SpecChanged, Tick]
 
 
 def observe(state: JobState, live: Sequence[NodeSpec], noticed: Iterable[str]) -> list[Event]:

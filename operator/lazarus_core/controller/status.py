@@ -89,6 +89,12 @@ def conditions(state: JobState, previous: Sequence[dict], now_iso: str,
         ready = ("False", SUCCEEDED,
                  f"trained {state.step} steps (spec.steps is {spec.steps}); the workers "
                  f"have stopped")
+    elif state.start_failures and (plan is None or state.stale):
+        ready = ("False", "WorkerStartFailed",
+                 f"{state.start_failures} worker(s) in a row failed before completing a "
+                 f"step; the last one: {state.start_error}. New workers start with an "
+                 f"exponential backoff (at most {state.settings.start_backoff_max_s:.0f} s "
+                 f"apart); fix what it names (often spec.runtime or spec.template)")
     elif plan is None:
         ready = ("False", "WaitingForNodes",
                  f"{up} of {spec.fewest_nodes} needed nodes have a running worker; "
