@@ -41,13 +41,13 @@ NODE_LOSS_TARGET_S = 10
 STALL_S = 15
 
 
-def job_manifest(name: str, namespace: str, checkpoint: Path, **spec) -> dict:
+def job_manifest(name: str, namespace: str, checkpoint_path: Path, **spec) -> dict:
     """examples/tiny-cpu.yaml on this test's scratch nodes, its pods run by the local kubelet."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
     doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace})
     doc["spec"] |= {"rebalanceEverySteps": 0,
-                    "checkpoint": {"path": str(checkpoint), "everySteps": 5}} | spec
+                    "checkpoint": {"path": str(checkpoint_path), "everySteps": 5}} | spec
     # A dead peer is noticed through the plan long before this; it only bounds a collective
     # whose peer froze.
     doc["spec"]["template"]["env"] = [{"name": "LAZARUS_COLLECTIVE_TIMEOUT_S", "value": "30"},
