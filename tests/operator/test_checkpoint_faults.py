@@ -8,14 +8,18 @@ steps lost) go to build/e2e-results.json like test_full_stack's.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from lazarus_runtime.checkpoint import Checkpoints
-from test_full_stack import (STEP_TIMEOUT_S, Stack, assert_losses_match, record,  # noqa: F401
-                             stack, worker_rbac)
+from jobkit import JobClient, kubectl
+from test_full_stack import (STEP_TIMEOUT_S, TOLERANCE, Stack, assert_losses_match,  # noqa: F401
+                             install_worker_rbac, job_manifest, record, stack,
+                             start_operator, worker_rbac)
 from testcluster import faults
+from testcluster.kubelet import LABEL, LocalKubelet
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -169,3 +173,95 @@ def test_a_worker_that_cannot_start_backs_off_and_the_job_says_why(cluster, stac
     record("worker cannot start (runtime.dataset missing)", {
         "failed_starts": len(started), "gaps_s": [round(g, 1) for g in gaps],
         "ready_message": ready["message"]})
+
+
+@dataclass
+class Neighbour:
+    """A second job's whole stack beside the test's: its own namespace, operator, kubelet."""
+    stack: Stack
+    nodes: callable  # (pool, zones, per zone) -> {zone: [names]}, labelled for it
+
+
+@pytest.fixture
+def neighbour(cluster, stack, operator_factory, scratch_nodes, tmp_path):
+    from kubernetes import client
+
+    namespace = f"{stack.namespace[:54]}-next"
+    cluster.core.create_namespace({"metadata": {"name": namespace,
+                                                "labels": {"lazarus.dev/test": "true"}}})
+    wait_until(lambda: cluster.core.list_namespaced_service_account(
+        namespace, field_selector="metadata.name=default").items, timeout=30,
+        what=f"the default ServiceAccount of {namespace}")
+    release = install_worker_rbac(cluster, namespace, tmp_path / "rbac-next.yaml")
+    kubelet = LocalKubelet(cluster.api, namespace, tmp_path / "kubelet-next").start()
+
+    def nodes(pool: str, num_zones: int = 1, nodes_per_zone: int = 1) -> dict:
+        made = scratch_nodes(pool, num_zones=num_zones, nodes_per_zone=nodes_per_zone)
+        for name in (n for names in made.values() for n in names):
+            cluster.core.patch_node(name, {"metadata": {"labels": {
+                "lazarus.dev/scratch": namespace}}})
+        return made
+
+    nodes("system")
+    jobs = JobClient(client.CustomObjectsApi(cluster.api), cluster.core, namespace)
+    tmp = tmp_path / "next"
+    tmp.mkdir()
+    yield Neighbour(replace(stack, namespace=namespace, jobs=jobs, kubelet=kubelet,
+                            operator=start_operator(operator_factory, watch=namespace),
+                            tmp=tmp), nodes)
+    kubelet.stop()
+    cluster.core.delete_collection_namespaced_pod(namespace, label_selector=LABEL,
+                                                  body={"gracePeriodSeconds": 0})
+    cluster.core.delete_namespace(namespace)
+    kubectl(cluster, "delete", "clusterrole", f"{release}-worker", "--ignore-not-found")
+
+
+def own_reference(stack: Stack, runtime: dict, steps: int) -> list[float]:
+    """The job with this runtime section, failure-free, on the local backend."""
+    from lazarus_core.job_spec import parse_manifest
+
+    from lazarus_runtime.local_backend import LocalJob
+
+    name, spec = parse_manifest(job_manifest("reference", "default", stack.tmp / "ref-ckpt",
+                                             runtime=runtime))
+    return LocalJob(name, spec, 2, steps, checkpoint_dir=stack.tmp / "ref-ckpt").run().losses
+
+
+def test_two_jobs_with_one_checkpoint_path_each_restore_their_own(cluster, stack, neighbour,
+                                                                  scratch_nodes):
+    shared = stack.tmp / "shared-ckpt"  # both jobs name it; both are called e2e, too
+    tiny = {"model": "tiny", "experts": 4, "layers": 2, "topK": 2, "learningRate": "3e-3"}
+    b = neighbour.stack
+    jobs = {"a": (stack, scratch_nodes, tiny | {"seed": 0}),
+            "b": (b, neighbour.nodes, tiny | {"seed": 1})}  # different weights, losses
+    zones, stores = {}, {}
+    for key, (s, make_nodes, runtime) in jobs.items():
+        [(zones[key], _)] = make_nodes("gpu-spot", num_zones=1, nodes_per_zone=2).items()
+        s.apply(replicas=2, runtime=runtime,
+                checkpoint={"path": str(shared), "everySteps": 5})
+    for key, (s, _, _) in jobs.items():
+        stores[key] = Checkpoints.open(str(shared), uid(s))
+        wait_until(lambda store=stores[key]: len(store.complete()) >= 2,
+                   timeout=STEP_TIMEOUT_S, what=f"two checkpoints of job {key}",
+                   describe=s.describe)
+    assert sorted(p.name for p in shared.iterdir()) == sorted([uid(stack), uid(b)])
+
+    generations = {key: s.generation() for key, (s, _, _) in jobs.items()}
+    fault_at, own = {}, {}
+    for key, (s, make_nodes, _) in jobs.items():
+        fault_at[key] = time.time()
+        faults.zone_down(cluster.core, zones[key], delete=True)
+        # Its own checkpoints as the workers died (older ones are pruned as it trains on).
+        own[key] = {ck.step for ck in stores[key].complete()}
+        make_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+    for key, (s, _, runtime) in jobs.items():
+        s.wait_step(s.last_step() + 1, after_generation=generations[key])
+        m = s.measure(f"two jobs, one checkpoint path: job {key} restores its own",
+                      fault_at[key], generations[key])
+        assert m["restored_step"] in own[key], (m, own)
+        upto = m["resumed_at_step"] + 5
+        s.wait_step(upto)
+        losses, reference = s.losses(), own_reference(s, runtime, upto)
+        worst = max(abs(losses[i] - reference[i - 1]) for i in range(1, upto + 1))
+        assert worst <= TOLERANCE, f"job {key}: largest loss difference {worst:.2e}"
+    assert stack.losses()[1] != b.losses()[1]  # two different models: the check has teeth
