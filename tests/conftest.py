@@ -29,3 +29,4 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device; hack/gpu-check.sh runs it on one")
     for item in gpu_items:
         item.add_marker(skip)
+from testcluster.s3server import s3_bucket, s3_server  # noqa: E402,F401

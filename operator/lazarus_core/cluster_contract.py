@@ -80,7 +80,8 @@ def progress_json(p: Progress) -> str:
         "loads": [list(layer) for layer in p.loads] if p.loads is not None else None,
         "checkpointStep": p.checkpoint_step, "expertsMigrated": p.experts_migrated,
         "restoredStep": p.restored_step, "expertsLost": p.experts_lost,
-        "restores": p.restores,
+        "restores": p.restores, "checkpointError": p.checkpoint_error,
+        "checkpointFailures": p.checkpoint_failures,
     }, separators=(",", ":"))
 
 
@@ -98,6 +99,8 @@ def read_progress(raw: str) -> Progress | None:
             experts_migrated=int(d.get("expertsMigrated") or 0),
             restored_step=optional("restoredStep"),
             experts_lost=int(d.get("expertsLost") or 0),
-            restores=int(d.get("restores") or 0))
+            restores=int(d.get("restores") or 0),
+            checkpoint_error=str(d["checkpointError"]) if d.get("checkpointError") else None,
+            checkpoint_failures=int(d.get("checkpointFailures") or 0))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -49,13 +49,13 @@ FROZEN_TARGET_S = 15
 NODE_MONITOR_GRACE_S = 40
 
 
-def job_manifest(name: str, namespace: str, checkpoint: Path, **spec) -> dict:
+def job_manifest(name: str, namespace: str, checkpoint_path: Path, **spec) -> dict:
     """examples/tiny-cpu.yaml on this test's scratch nodes, its pods run by the local kubelet."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
     doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace})
     doc["spec"] |= {"rebalanceEverySteps": 0,
-                    "checkpoint": {"path": str(checkpoint), "everySteps": 5}} | spec
+                    "checkpoint": {"path": str(checkpoint_path), "everySteps": 5}} | spec
     # A dead peer is noticed through the plan long before this; it only bounds a collective
     # whose peer froze.
     doc["spec"]["template"]["env"] = [{"name": "LAZARUS_COLLECTIVE_TIMEOUT_S", "value": "30"},
@@ -181,9 +181,9 @@ def record(scenario: str, result: dict) -> None:
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
 
-@pytest.fixture
-def worker_rbac(cluster, namespace, tmp_path):
-    """The chart's worker ServiceAccount and role, rendered by helm for this namespace."""
+def install_worker_rbac(cluster, namespace: str, path: Path) -> str:
+    """The chart's worker ServiceAccount and role, rendered by helm for ``namespace``;
+    returns the release, whose ClusterRole the caller deletes."""
     helm = tool("helm")
     if helm is None:
         pytest.skip("helm is not cached; run hack/build-control-plane.sh")
@@ -193,23 +193,34 @@ def worker_rbac(cluster, namespace, tmp_path):
          namespace, "--set", f"workers.namespaces={{{namespace}}}",
          "--show-only", "templates/rbac-workers.yaml"],
         capture_output=True, text=True, check=True, timeout=60).stdout
-    path = tmp_path / "rbac.yaml"
     path.write_text(rendered)
     kubectl(cluster, "apply", "-f", str(path))
+    return release
+
+
+@pytest.fixture
+def worker_rbac(cluster, namespace, tmp_path):
+    release = install_worker_rbac(cluster, namespace, tmp_path / "rbac.yaml")
     yield
     kubectl(cluster, "delete", "clusterrole", f"{release}-worker", "--ignore-not-found")
+
+
+def start_operator(operator_factory, watch: str | None = None):
+    """An operator for the e2e tier, with a coordinator port of its own: every
+    coordinator listens on this host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return operator_factory(extra_args=(f"--coordinator-port={port}",
+                                        f"--stall-seconds={STALL_S}"), watch=watch).start()
 
 
 @pytest.fixture
 def stack(cluster, namespace, operator_factory, jobs, local_kubelet, worker_rbac,
           scratch_nodes, tmp_path):
     scratch_nodes("system")  # the coordinator's on-demand node
-    with socket.socket() as s:  # every coordinator listens on this host: one port each
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    op = operator_factory(extra_args=(f"--coordinator-port={port}",
-                                      f"--stall-seconds={STALL_S}")).start()
-    return Stack(cluster, namespace, jobs, local_kubelet, op, tmp_path)
+    return Stack(cluster, namespace, jobs, local_kubelet, start_operator(operator_factory),
+                 tmp_path)
 
 
 def reference_losses(tmp: Path, steps: int) -> list[float]:

@@ -4,7 +4,11 @@ machine, and its status is reported through the API, so full-stack e2e tests run
 workers on the real scheduler's choice of kwok node.
 
 Only what those tests need: no images (``python`` is this test's interpreter), no volumes, no
-probes, and a process is never restarted, whatever the pod's restartPolicy. Pod deletion
+probes, and a process is never restarted, whatever the pod's restartPolicy. Each process
+gets a working directory and HOME of its own (its pod's folder), as each container has its
+own filesystem: two pods share files only through an absolute path both name, the stand-in
+for a shared volume. Secrets reach the environment as the kubelet passes them (``envFrom``
+and ``valueFrom.secretKeyRef``); a missing one leaves the pod waiting, as on a real node. Pod deletion
 stops the process (SIGTERM, then SIGKILL after the grace period); node deletion SIGKILLs
 every process on that node, as a reclaimed spot instance would.
 
@@ -28,7 +32,6 @@ from pathlib import Path
 
 import pytest
 
-from testcluster.local import REPO
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,9 @@ WATCH_TIMEOUT_S = 10  # also how long a stopped kubelet's watch threads may ling
 RETRY_S = 1.0
 MAX_GRACE_S = 10
 TOKEN_TTL_S = 3600
+# A failed container's log tail, as the kubelet's FallbackToLogsOnError takes it.
+TERMINATION_MESSAGE_BYTES = 2048
+TERMINATION_MESSAGE_LINES = 80
 # No cluster DNS or kube-proxy runs here, and every process listens on this host: a Service
 # address NAME.NAMESPACE.svc[.cluster.local] must reach 127.0.0.1 (the port is kept).
 SERVICE_HOST = re.compile(r"(?<![\w.-])[a-z0-9-]+\.[a-z0-9-]+\.svc(?:\.cluster\.local)?(?![\w.-])")
@@ -73,17 +79,39 @@ def _field_ref(pod, path: str) -> str:
     return fields[path]
 
 
-def _container_env(pod, container) -> dict[str, str]:
-    """The test's basics, not its whole environment (no admin KUBECONFIG), then the container's."""
+class _ConfigError(ValueError):
+    """The container's configuration cannot be resolved (a missing Secret or key)."""
+
+
+def _container_env(pod, container, secret) -> dict[str, str]:
+    """The test's basics, not its whole environment (no admin KUBECONFIG), then the
+    container's. ``secret(name)`` reads a Secret's data, or None when it does not exist."""
     # Unbuffered, so a SIGKILLed process's log still holds everything it printed.
     env = {k: os.environ[k] for k in BASE_ENV if k in os.environ} | {"PYTHONUNBUFFERED": "1"}
+    for source in container.env_from or []:
+        if source.secret_ref is None:
+            raise ValueError("envFrom: only secretRef is supported by the local kubelet")
+        data = secret(source.secret_ref.name)
+        if data is None:
+            if source.secret_ref.optional:
+                continue
+            raise _ConfigError(f'secret "{source.secret_ref.name}" not found')
+        env |= {(source.prefix or "") + k: v for k, v in data.items()}
     for var in container.env or []:
         if var.value_from is None:
             value = _expand(var.value or "", env)
         elif var.value_from.field_ref is not None:
             value = _field_ref(pod, var.value_from.field_ref.field_path)
+        elif var.value_from.secret_key_ref is not None:
+            ref = var.value_from.secret_key_ref
+            value = (secret(ref.name) or {}).get(ref.key)
+            if value is None:
+                if ref.optional:
+                    continue
+                raise _ConfigError(f"couldn't find key {ref.key} in Secret {ref.name}")
         else:
-            raise ValueError(f"env {var.name}: only value and valueFrom.fieldRef are supported by the local kubelet")
+            raise ValueError(f"env {var.name}: only value and valueFrom.fieldRef or "
+                             f"secretKeyRef are supported by the local kubelet")
         env[var.name] = SERVICE_HOST.sub(LOCAL_IP, value)
     return env
 
@@ -149,6 +177,10 @@ class LocalKubelet:
         not reported yet: every process on it is SIGKILLed and nothing is reported, ever."""
         self._node_gone(node)
 
+    def home(self, pod_name: str) -> Path:
+        """The working directory and HOME of a pod's process: its own, like a container's."""
+        return self._log_dir / pod_name / "home"
+
     def process(self, pod_name: str) -> subprocess.Popen | None:
         """The process last started for a pod of that name, also after it ended."""
         with self._lock:
@@ -209,7 +241,7 @@ class LocalKubelet:
     def _start(self, pod) -> None:
         name, container = pod.metadata.name, pod.spec.containers[0]
         try:
-            env = _container_env(pod, container)
+            env = _container_env(pod, container, self._secret)
             # The DNS stand-in applies to arguments too: an address may be passed either way.
             argv = [SERVICE_HOST.sub(LOCAL_IP, _expand(arg, env))
                     for arg in (container.command or []) + (container.args or [])]
@@ -217,22 +249,36 @@ class LocalKubelet:
                 raise ValueError("the container has no command; the local kubelet cannot run an image's entrypoint")
             if argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
-            self.log_path(name).parent.mkdir(parents=True, exist_ok=True)
+            home = self.home(name)
+            home.mkdir(parents=True, exist_ok=True)
+            env["HOME"] = str(home)
             if pod.spec.automount_service_account_token is not False:
                 env["KUBECONFIG"] = str(self._write_kubeconfig(pod))
             with self._lock:
                 if self._stopped.is_set() or pod.spec.node_name in self._dead_nodes:
                     return
                 with open(self.log_path(name), "ab") as out:
-                    popen = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                    popen = subprocess.Popen(argv, cwd=home, env=env, stdin=subprocess.DEVNULL,
                                              stdout=out, stderr=subprocess.STDOUT)
                 self._procs[name] = _Process(popen, pod.metadata.uid, pod.spec.node_name, container, _now())
         except (ValueError, OSError) as e:
             # The monitor reports Running; a pod that cannot start stays Pending and says why.
+            reason = "CreateContainerConfigError" if isinstance(e, _ConfigError) else "CreateContainerError"
             self._core.patch_namespaced_pod_status(name, self._namespace, {"status": {"containerStatuses": [{
                 "name": container.name, "image": container.image, "imageID": "", "ready": False,
-                "restartCount": 0, "state": {"waiting": {"reason": "CreateContainerError", "message": str(e)}},
+                "restartCount": 0, "state": {"waiting": {"reason": reason, "message": str(e)}},
             }]}})
+
+    def _secret(self, name: str) -> dict[str, str] | None:
+        from kubernetes import client
+
+        try:
+            data = self._core.read_namespaced_secret(name, self._namespace).data or {}
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
 
     def _write_kubeconfig(self, pod) -> Path:
         """A kubeconfig with a token bound to the pod, so the process has exactly its
@@ -288,6 +334,8 @@ class LocalKubelet:
             state = {"terminated": {
                 "exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else "Error",
                 "startedAt": proc.started_at, "finishedAt": now}}
+            if code != 0 and proc.container.termination_message_policy == "FallbackToLogsOnError":
+                state["terminated"]["message"] = self._log_tail(name)
         ready = {"status": str(running), "lastTransitionTime": now, "reason": None if running else "PodCompleted"}
         self._core.patch_namespaced_pod_status(name, self._namespace, {"status": {
             "phase": phase, "podIP": REPORTED_IP, "podIPs": [{"ip": REPORTED_IP}],
@@ -298,6 +346,15 @@ class LocalKubelet:
                                    "ready": running, "started": running, "restartCount": 0, "state": state}],
         }})
         proc.reported = phase
+
+    def _log_tail(self, name: str) -> str:
+        """What a kubelet puts in a failed container's termination message under
+        FallbackToLogsOnError: the log's last 80 lines, at most its last 2048 bytes."""
+        try:
+            data = self.log_path(name).read_bytes()[-TERMINATION_MESSAGE_BYTES:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-TERMINATION_MESSAGE_LINES:])
 
     def _finish_deletion(self, name: str, uid: str) -> None:
         """What the kubelet does once the pod's containers have stopped: delete it for good."""
