@@ -184,7 +184,7 @@ build_image() {  # build_image IMAGE NAME BASE FIND_LINKS HOST
   (cd "$LAZARUS_ROOT" && context_files "$image" | tar -c -T - ) | tar -x -C "$ctx"
   log "building $name (log: $IMAGES_CACHE/build-$image.log)"
   # The classic builder: BuildKit would fetch its Dockerfile frontend from a registry.
-  DOCKER_BUILDKIT=0 docker build --build-arg "BASE=$3" --build-arg PIP_NO_INDEX=1 \
+  DOCKER_BUILDKIT=0 docker build --force-rm --build-arg "BASE=$3" --build-arg PIP_NO_INDEX=1 \
       --build-arg "PIP_FIND_LINKS=$4" --build-arg "PIP_TRUSTED_HOST=$5" -f "$ctx/images/$image/Dockerfile" -t "$name" "$ctx" \
       >"$IMAGES_CACHE/build-$image.log" 2>&1 \
     || { rm -rf "$ctx"; tail -20 "$IMAGES_CACHE/build-$image.log" >&2; die "building $name failed"; }
