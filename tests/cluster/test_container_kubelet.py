@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from testcluster.kube import wait_gone, wait_pod_phase
+from testcluster.kube import pod_reader, wait_gone, wait_pod_phase
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -78,27 +78,11 @@ INSPECT = """
 """
 
 
-def pod_reader(cluster, namespace: str) -> str:
-    """A ServiceAccount that may read pods, and nothing else."""
-    from kubernetes import client
-
-    rbac = client.RbacAuthorizationV1Api(cluster.api)
-    cluster.core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "pod-reader"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
-    })
-    return "reader"
-
-
 def test_a_pod_runs_from_its_image_with_its_security_context_limits_and_token(
         cluster, namespace, scratch_nodes, container_kubelet, images):
     [[node]] = scratch_nodes("gpu-spot").values()
     cluster.core.create_namespaced_pod(namespace, image_pod(
-        "inspect", node, images.runtime, INSPECT, serviceAccountName=pod_reader(cluster, namespace),
+        "inspect", node, images.runtime, INSPECT, serviceAccountName=pod_reader(cluster.api, namespace),
         securityContext={"runAsNonRoot": True, "runAsUser": 10002, "runAsGroup": 10003,
                          "fsGroup": 3000},
         volumes=[{"name": "scratch", "emptyDir": {}}],

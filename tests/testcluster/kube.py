@@ -44,6 +44,20 @@ def pod_token(core: client.CoreV1Api, pod: client.V1Pod, ttl_s: int = POD_TOKEN_
         pod.spec.service_account_name or "default", meta.namespace, {"spec": spec}).status.token
 
 
+def pod_reader(api: client.ApiClient, namespace: str, name: str = "reader") -> str:
+    """A ServiceAccount that may get the namespace's pods and nothing else; returns its name."""
+    rbac = client.RbacAuthorizationV1Api(api)
+    client.CoreV1Api(api).create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": f"{name}-pods"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-pods"},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    })
+    return name
+
+
 def node_ready_status(node: client.V1Node) -> str | None:
     """The status ("True", "False", "Unknown") of the node's Ready condition, if any."""
     for condition in node.status.conditions or []:

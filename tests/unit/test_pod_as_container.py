@@ -1,6 +1,5 @@
 """How the local kubelet's container mode turns a pod into `docker run` (testcluster.containers):
 the same rules a kubelet and its runtime apply, checked without an engine."""
-from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
