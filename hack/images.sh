@@ -3,13 +3,12 @@
 # cached by content like the control plane:
 #
 #   hack/images.sh build    build what is missing; prints "runtime=IMAGE operator=IMAGE"
-#   hack/images.sh names    the same names, without building (what this checkout would get)
 #   hack/images.sh engine   start a Docker engine if none answers (as root, installs docker.io)
 #
 # No registry serves base images here, so the base is made once per machine: Debian bookworm
 # with its Python 3.11, from debootstrap, imported with `docker import`. The Dockerfiles
 # (images/*/Dockerfile) keep a public base as their default and build on ours through their
-# BASE argument. Their dependencies are exactly the requirements of pyproject.toml
+# BASE argument, named by its image ID: the digest of its content. Their dependencies are exactly the requirements of pyproject.toml
 # (images/pins.py reads them): the base's own pip downloads them once into a wheelhouse, which
 # is served to the build on the engine's bridge address, with PIP_NO_INDEX, so a build never
 # reaches the network.
@@ -192,14 +191,14 @@ build_image() {  # build_image IMAGE NAME BASE FIND_LINKS HOST
   log "built $name in $((SECONDS - start)) s ($(docker image inspect -f '{{.Size}}' "$name" | numfmt --to=iec))"
 }
 
-names() {  # names BASE WHEELHOUSE: "runtime=NAME operator=NAME"
+names() {  # names BASE_ID WHEELHOUSE: "runtime=NAME operator=NAME"
   local image out=()
   for image in "${IMAGES[@]}"; do out+=("$image=$(image_name "$image" "$1" "$2")"); done
   echo "${out[*]}"
 }
 
 build() {
-  local base wheels address image name start=$SECONDS
+  local base base_id wheels address image name start=$SECONDS
   ensure_engine
   mkdir -p "$IMAGES_CACHE"
   # One build at a time on a machine (several clones, several test sessions).
@@ -207,10 +206,12 @@ build() {
   flock --wait 3600 9 || die "another hack/images.sh held $IMAGES_CACHE/.build.lock for an hour"
   base=$(base_name)
   ensure_base "$base"
+  # The images build FROM the base's ID, the digest of its content, not from its name.
+  base_id=$(docker image inspect --format '{{.Id}}' "$base")
   wheels=$(wheelhouse_dir "$base")
   local missing=()
   for image in "${IMAGES[@]}"; do
-    name=$(image_name "$image" "$base" "$wheels")
+    name=$(image_name "$image" "$base_id" "$wheels")
     image_exists "$name" || missing+=("$image=$name")
   done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -219,19 +220,15 @@ build() {
     [ -n "$address" ] || die "the engine has no docker0 bridge to serve the wheelhouse on"
     serve_wheels "$(dirname "$wheels")" "$address"
     for entry in "${missing[@]}"; do
-      build_image "${entry%%=*}" "${entry#*=}" "$base" "http://$address:$WHEELS_PORT/$(basename "$wheels")/" "$address"
+      build_image "${entry%%=*}" "${entry#*=}" "$base_id" "http://$address:$WHEELS_PORT/$(basename "$wheels")/" "$address"
     done
     log "images ready in $((SECONDS - start)) s"
   fi
-  names "$base" "$wheels"
+  names "$base_id" "$wheels"
 }
 
 case "${1:-}" in
   build) build ;;
-  names)
-    base=$(base_name)
-    names "$base" "$(wheelhouse_dir "$base")"
-    ;;
   engine) ensure_engine ;;
-  *) die "usage: hack/images.sh build|names|engine" ;;
+  *) die "usage: hack/images.sh build|engine" ;;
 esac
