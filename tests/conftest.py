@@ -14,7 +14,8 @@ from testcluster.fixtures import (  # noqa: E402,F401
     pytest_runtest_makereport,
     scratch_nodes,
 )
-from testcluster.kubelet import local_kubelet  # noqa: E402,F401
+from testcluster.images import images  # noqa: E402,F401
+from testcluster.kubelet import container_kubelet, local_kubelet  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):

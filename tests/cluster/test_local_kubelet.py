@@ -6,9 +6,8 @@ import sys
 import textwrap
 
 import pytest
-from kubernetes import client
 
-from testcluster.kube import wait_gone, wait_pod_phase
+from testcluster.kube import pod_reader, wait_gone, wait_pod_phase
 from testcluster.kubelet import REPORTED_IP
 from testcluster.waits import wait_until
 
@@ -162,15 +161,8 @@ def test_deleting_the_node_sigkills_its_processes_and_only_those(cluster, namesp
 
 def test_the_process_has_exactly_its_service_accounts_rbac(cluster, namespace, scratch_nodes, local_kubelet):
     [[node]] = scratch_nodes("gpu-spot").values()
-    core, rbac = cluster.core, client.RbacAuthorizationV1Api(cluster.api)
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "pod-reader"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
-    })
+    core = cluster.core
+    account = pod_reader(cluster.api, namespace)
     core.create_namespaced_pod(namespace, kubelet_pod("worker", node, """
         import json, os
         from kubernetes import client, config
@@ -184,7 +176,7 @@ def test_the_process_has_exactly_its_service_accounts_rbac(cluster, namespace, s
             result["secrets"] = e.status
         print(json.dumps(result))
     """, env=[field("POD_NAME", "metadata.name"), field("POD_NAMESPACE", "metadata.namespace")],
-        serviceAccountName="reader"))
+        serviceAccountName=account))
 
     wait_pod_phase(core, namespace, "worker", "Succeeded", timeout=30)
     assert printed_json(local_kubelet, "worker") == {"own_pod": "worker", "secrets": 403}
