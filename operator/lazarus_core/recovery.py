@@ -81,6 +81,69 @@ def recovery_curve(layers: Sequence[Placement], max_failures: int,
     return curve
 
 
+def fatal_counts(masks: Iterable[int], n: int, max_failures: int,
+                 budget: int = _INCLUSION_EXCLUSION_BUDGET) -> list[int]:
+    """How many k-node failure sets are fatal, for k = 1..max_failures, counted exactly.
+
+    ``masks`` are node sets (bitmasks), one per (layer, expert). On up to ``BITMAP_NODES``
+    nodes every failure set is a bit of one integer, so the count is exact and cheap;
+    beyond, inclusion-exclusion stops before the first k it cannot finish within ``budget``
+    set unions, and the list is shorter.
+    """
+    max_failures = min(max_failures, n)
+    if n <= BITMAP_NODES:
+        table = _SupersetTable.of(n)
+        fatal = 0
+        for m in set(masks):
+            fatal |= table.supersets(m)
+        return [(fatal & table.of_size[k]).bit_count() for k in range(1, max_failures + 1)]
+    sets = minimal_sets(masks, max_size=max_failures)
+    counts = []
+    for k in range(1, max_failures + 1):
+        histogram = _union_histogram([s for s in sets if s.bit_count() <= k], k, budget)
+        if histogram is None:
+            break
+        counts.append(sum(sign * math.comb(n - u, k - u) for u, sign in histogram.items()))
+    return counts
+
+
+# Up to this many nodes a set of failure sets is one integer of 2^n bits (4096 for 12).
+BITMAP_NODES = 12
+
+
+class _SupersetTable:
+    """For n nodes: each node set's supersets as a bitmap over all 2^n failure sets."""
+
+    _cache: dict[int, "_SupersetTable"] = {}
+
+    def __init__(self, n: int):
+        self.n = n
+        self.of_size = [0] * (n + 1)
+        for f in range(1 << n):
+            self.of_size[f.bit_count()] |= 1 << f
+        self._supersets: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, n: int) -> "_SupersetTable":
+        if n not in cls._cache:
+            cls._cache[n] = cls(n)
+        return cls._cache[n]
+
+    def supersets(self, mask: int) -> int:
+        bits = self._supersets.get(mask)
+        if bits is None:
+            # Supersets of mask = mask | every subset of its complement.
+            rest = ((1 << self.n) - 1) & ~mask
+            bits, sub = 0, rest
+            while True:
+                bits |= 1 << (mask | sub)
+                if not sub:
+                    break
+                sub = (sub - 1) & rest
+            self._supersets[mask] = bits
+        return bits
+
+
 def recovery_table(layers: Sequence[Placement], max_failures: int) -> dict[str, float]:
     """Model-level recovery probability for k = 1..max_failures, keyed by str(k)."""
     return {str(k): r.probability

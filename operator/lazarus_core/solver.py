@@ -4,9 +4,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .allocation import allocate_replicas
+from .anchors import extract, family_of, nodes_of
 from .migration import Migration, map_nodes_optimal, plan_transfers
-from .mro import mro
+from .mro import mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
 from .recovery import recovery_table
@@ -16,6 +19,7 @@ DEFAULT_MAX_FAILURES = 5
 
 
 def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement]:
+    """Placements for replica counts as given (MRO may trade a few; see ``layout``)."""
     if policy == "mro":
         return mro(layers, slots)
     if policy == "spread":
@@ -47,15 +51,26 @@ def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas:
 def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
            policy: str, loads: Sequence[Sequence[float]] | None):
     """Node order, replicas per layer and placements: a plan before it has node identities."""
+    ordered, replicas = _positions(nodes, experts, layers, min_replicas, loads)
+    slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
+    if policy != "mro":
+        return ordered, replicas, place(policy, replicas, slots)
+    anchors = structure(replicas, slots, loads, gpus)
+    weights = loads if loads is not None else [[1.0] * experts] * layers
+    return ordered, [list(a.replicas) for a in anchors], place_anchored(anchors, slots, weights,
+                                                                      gpus, None)
+
+
+def _positions(nodes, experts, layers, min_replicas, loads):
+    """Node order and the replicas per layer that the allocation formula gives."""
     if experts < 1:
         raise ValueError(f"experts: must be >= 1, got {experts}")
     if layers < 1:
         raise ValueError(f"layers: must be >= 1, got {layers}")
     check_nodes(list(nodes))
     ordered = failure_domain_order(list(nodes))
-    slots = [n.slots for n in ordered]
-    replicas = allocate_layers(loads, layers, experts, sum(slots), min_replicas)
-    return ordered, replicas, place(policy, replicas, slots)
+    return ordered, allocate_layers(loads, layers, experts, sum(n.slots for n in ordered),
+                                    min_replicas)
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
@@ -78,6 +93,36 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
     ))
 
 
+def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
+    """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
+    ``ordered``, or 0 when a node of that core is gone."""
+    layers = [[list(s) for s in layer.placement] for layer in old.layers]
+    family = family_of(layers, old.experts)
+    position = {n.name: q for q, n in enumerate(ordered)}
+    translate = {}
+    for core in family:
+        names = [old.nodes[i].name for i in nodes_of(core)]
+        translate[core] = (sum(1 << position[name] for name in names)
+                           if all(name in position for name in names) else 0)
+    return [[translate[c] if c else 0
+             for c in extract(p, layer.replicas, family).cores]
+            for p, layer in zip(layers, old.layers)]
+
+
+def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> list[np.ndarray]:
+    """Per layer, [position, expert]: replicas the node now at each position already holds."""
+    index = {n.name: i for i, n in enumerate(old.nodes)}
+    out = []
+    for layer in old.layers:
+        ref = np.zeros((len(ordered), old.experts), dtype=np.int64)
+        for q, node in enumerate(ordered):
+            i = index.get(node.name)
+            if i is not None and node.name in sources and layer.placement[i]:
+                np.add.at(ref[q], list(layer.placement[i]), 1)
+        out.append(ref)
+    return out
+
+
 @dataclass(frozen=True)
 class Replan:
     plan: Plan
@@ -91,11 +136,24 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
 
     ``sources`` are the old plan's nodes that can still send expert state.
     """
-    positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
-                                             old.min_replicas, old.policy, loads)
-    mapping = map_nodes_optimal(old, list(nodes), positions, placements)
-    # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
-    ordered = [nodes[i] for i in mapping]
+    if old.policy != "mro":
+        positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
+                                                 old.min_replicas, old.policy, loads)
+        mapping = map_nodes_optimal(old, list(nodes), positions, placements)
+        # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
+        ordered = [nodes[i] for i in mapping]
+    else:
+        # MRO works on the nodes themselves: the cores that survived keep their experts.
+        ordered, replicas = _positions(nodes, old.experts, len(old.layers), old.min_replicas,
+                                       loads)
+        slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
+        references = _references(old, ordered, sources)
+        holders = [[sum(1 << int(q) for q in np.flatnonzero(ref[:, e])) for e in range(old.experts)]
+                   for ref in references]
+        anchors = structure(replicas, slots, loads, gpus, surviving_cores(old, ordered), holders)
+        replicas = [list(a.replicas) for a in anchors]
+        weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
+        placements = place_anchored(anchors, slots, weights, gpus, references)
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
                       old.policy, old.generation + 1, reason, max_failures)
     return Replan(plan, plan_transfers(old, plan, sources))
