@@ -20,6 +20,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from .plan import replica_counts
 from .recovery import minimal_sets
 
 Placement = list[list[int]]
@@ -32,35 +35,66 @@ class LayerAnchors:
     replicas: tuple[int, ...]
     cores: tuple[int, ...]
 
-    def anchored(self) -> list[tuple[int, int]]:
-        """(expert, node) for each anchored replica."""
-        return [(e, node) for e, core in enumerate(self.cores) for node in nodes_of(core)]
+
+def anchored_replicas(layers: Sequence[LayerAnchors]) -> np.ndarray:
+    """One row (layer, node, expert) per anchored replica of every layer."""
+    nodes = {}
+    rows = []
+    for li, anchors in enumerate(layers):
+        cores = np.asarray(anchors.cores, dtype=object)
+        for core in set(anchors.cores) - {0}:
+            if core not in nodes:
+                nodes[core] = np.asarray(nodes_of(core), dtype=np.int64)
+            experts = np.flatnonzero(cores == core)
+            at = nodes[core]
+            rows.append(np.column_stack((np.full(len(experts) * len(at), li),
+                                         np.tile(at, len(experts)),
+                                         np.repeat(experts, len(at)))))
+    return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
 
 
-def node_sets(placement: Placement, num_experts: int) -> list[int]:
-    masks = [0] * num_experts
-    for node, experts in enumerate(placement):
-        for e in experts:
-            masks[e] |= 1 << node
-    return masks
+def masks_of(present: np.ndarray) -> list[int]:
+    """One bitmask per row of a boolean [row, node] matrix (bit i: node i)."""
+    packed = np.packbits(present, axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
-def extract(placement: Placement, replicas: Sequence[int], family: Sequence[int]) -> LayerAnchors:
-    """Each expert anchored on the smallest core of ``family`` its node set contains.
+def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]]
+               ) -> list[LayerAnchors]:
+    """Each layer's anchors: every expert on the smallest core its node set contains, the
+    cores being the minimal node sets over all the given layers."""
+    num_experts = len(replicas[0])
+    presence = [replica_counts(p, num_experts).T > 0 for p in placements]  # [expert, node]
+    cores = _minimal_rows(np.concatenate(presence))
+    sizes = cores.sum(axis=1)
+    masks = masks_of(cores) + [0]
+    out = []
+    for present, counts in zip(presence, replicas):
+        contained = present.astype(np.int32) @ cores.T.astype(np.int32) == sizes
+        # cores are sorted by size: the first one contained is the smallest
+        which = np.where(contained.any(axis=1), contained.argmax(axis=1), len(masks) - 1)
+        out.append(LayerAnchors(tuple(counts), tuple(masks[i] for i in which.tolist())))
+    return out
 
-    ``family`` must contain, for every expert, some subset of its node set (the minimal
-    sets of the whole model's node sets do).
-    """
-    family = sorted(family, key=lambda m: (m.bit_count(), m))
-    cores = []
-    for e, mask in enumerate(node_sets(placement, len(replicas))):
-        cores.append(next(c for c in family if c & mask == c) if mask else 0)
-    return LayerAnchors(tuple(replicas), tuple(cores))
 
-
-def family_of(layers: Sequence[Placement], num_experts: int) -> list[int]:
-    """The cores of a placement: minimal node sets over all its layers and experts."""
-    return minimal_sets(m for p in layers for m in node_sets(p, num_experts) if m)
+def _minimal_rows(present: np.ndarray) -> np.ndarray:
+    """The distinct non-empty rows of a boolean [set, node] matrix that contain no other,
+    smallest first."""
+    present = present[present.any(axis=1)]
+    packed = np.ascontiguousarray(np.packbits(present, axis=1))
+    # Distinct rows: compare packed rows as single opaque values, far cheaper than by column.
+    _, first = np.unique(packed.view(np.dtype((np.void, packed.shape[1]))).ravel(),
+                         return_index=True)
+    rows = present[np.sort(first)]
+    sizes = rows.sum(axis=1)
+    kept = np.zeros((0, present.shape[1]), dtype=bool)
+    for size in np.unique(sizes):
+        same = rows[sizes == size]
+        if len(kept):
+            inside = same.astype(np.int32) @ kept.T.astype(np.int32) == kept.sum(axis=1)
+            same = same[~inside.any(axis=1)]
+        kept = np.concatenate((kept, same))
+    return kept
 
 
 def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequence[int],
@@ -131,11 +165,14 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
     room = list(slots)
     full = 0
     cores = [0] * len(replicas)
+    nodes = {}
 
     def take(e: int, core: int) -> None:
         nonlocal full
         cores[e] = core
-        for i in nodes_of(core):
+        if core not in nodes:
+            nodes[core] = nodes_of(core)
+        for i in nodes[core]:
             room[i] -= 1
             if not room[i]:
                 full |= 1 << i
@@ -151,9 +188,14 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
         if size == 0 or cores[e]:
             continue
         held = holders[e] if holders is not None else 0
-        fits = [c for c in family if c.bit_count() <= size and not c & full]
         # The smallest core that fits; among those, the one holding most of e already.
-        core = min(fits, key=lambda c: (c.bit_count(), -(c & held).bit_count()), default=None)
+        core, smallest, most = None, 0, -1
+        for c in family:  # sorted by size
+            width = c.bit_count()
+            if width > size or (core is not None and width > smallest):
+                break
+            if not c & full and (c & held).bit_count() > most:
+                core, smallest, most = c, width, (c & held).bit_count()
         if core is None:
             open_nodes = sorted((i for i in range(n) if room[i]),
                                 key=lambda i: (not held >> i & 1, -room[i], i))

@@ -32,124 +32,153 @@ BALANCE_TARGET = 1.05
 # Work bounds of the swap rounds (they stop sooner once nothing gains).
 MAX_ROUNDS = 64
 PATIENCE = 4
+# Only the busiest ranks matter (the busiest sets the step time): pair this many at most.
+MAX_PAIRS = 64
 STALLED_ROUNDS = 8
 
 
-def fill(replicas: Sequence[int], anchored: Sequence[tuple[int, int]], weights: Sequence[float],
-         ranks_per_node: Sequence[int], slots_per_rank: Sequence[int],
-         reference: np.ndarray | None = None) -> Placement:
-    """One layer's placement: node position -> expert ids, one per slot, rank by rank.
+def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
+                weights: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
+                slots_per_rank: Sequence[int],
+                references: Sequence[np.ndarray] | None = None) -> list[Placement]:
+    """Every layer's placement: node position -> expert ids, one per slot, rank by rank.
 
-    ``reference[node, e]``: replicas of e that the node at that position holds already.
+    ``anchored`` has one row (layer, node, expert) per anchored replica, and no
+    (layer, node, expert) twice; ``references[l][node, e]`` are the replicas of e that the
+    node at that position holds already. The layers are independent; doing them in one
+    batch saves the per-call cost of the array operations.
     """
-    r = np.asarray(replicas, dtype=np.int64)
+    r = np.asarray(replicas, dtype=np.int64)  # [layer, expert]
     w = np.asarray(weights, dtype=np.float64)
     g = np.asarray(ranks_per_node, dtype=np.int64)
     s = np.asarray(slots_per_rank, dtype=np.int64)
-    n, num_experts = len(g), len(r)
+    num_layers, num_experts = r.shape
+    n = len(g)
     capacity = g * s
-    assert r.sum() == capacity.sum(), "replicas must fill every slot"
+    assert (r.sum(axis=1) == capacity.sum()).all(), "replicas must fill every slot"
 
-    pinned = np.zeros((n, num_experts), dtype=np.int64)
-    if len(anchored):
-        a = np.asarray(anchored, dtype=np.int64)
-        np.add.at(pinned, (a[:, 1], a[:, 0]), 1)
-    anchors = pinned.copy()
-    if reference is not None:
-        pinned += _kept(reference, pinned, r, capacity)
+    # 1. Anchors, and on a re-plan what each node keeps.
+    layer_of, nodes, experts = (np.asarray(anchored, dtype=np.int64).reshape(-1, 3).T
+                                .astype(np.int64))
+    is_anchor = np.ones(len(layer_of), dtype=bool)
+    pinned_count = np.bincount(layer_of * num_experts + experts,
+                               minlength=num_layers * num_experts).reshape(num_layers, -1)
+    if references is not None:
+        anchors = np.zeros((num_layers, n, num_experts), dtype=np.int64)
+        anchors[layer_of, nodes, experts] = 1
+        kept = _kept(np.asarray(references), anchors, r, capacity)
+        kl, kn, ke = np.nonzero(kept)
+        counts = kept[kl, kn, ke]
+        layer_of = np.concatenate((layer_of, np.repeat(kl, counts)))
+        nodes = np.concatenate((nodes, np.repeat(kn, counts)))
+        experts = np.concatenate((experts, np.repeat(ke, counts)))
+        is_anchor = np.concatenate((is_anchor, np.zeros(int(counts.sum()), dtype=bool)))
+        pinned_count += kept.sum(axis=1)
 
     # 2. Pinned replicas onto their node's ranks, heaviest first, in snake order.
-    nodes, experts = np.nonzero(pinned)
-    counts = pinned[nodes, experts]
-    nodes, experts = np.repeat(nodes, counts), np.repeat(experts, counts)
-    by_node = np.lexsort((experts, -w[experts], nodes))
-    nodes, experts = nodes[by_node], experts[by_node]
-    # The first anchors[node, e] copies of each (node, e) are anchors, the rest kept.
-    first = np.ones(len(nodes), dtype=bool)
-    first[1:] = (nodes[1:] != nodes[:-1]) | (experts[1:] != experts[:-1])
-    starts_of_run = np.maximum.accumulate(np.where(first, np.arange(len(nodes)), 0))
-    anchor = (np.arange(len(nodes)) - starts_of_run) < anchors[nodes, experts]
-    starts = np.searchsorted(nodes, np.arange(n))
-    k = np.arange(len(nodes)) - starts[nodes]
+    by_node = np.lexsort((experts, -w[layer_of, experts], nodes, layer_of))
+    layer_of, nodes, experts = layer_of[by_node], nodes[by_node], experts[by_node]
+    anchor = is_anchor[by_node]
+    group = layer_of * n + nodes
+    k = np.arange(len(group)) - np.searchsorted(group, group)
     gi = g[nodes]
     turn, pos = k // gi, k % gi
     rank_base = np.concatenate(([0], np.cumsum(g)[:-1]))
-    ranks = rank_base[nodes] + np.where(turn % 2 == 0, pos, gi - 1 - pos)
-
     num_ranks = int(g.sum())
-    rank_slots = np.repeat(s, g)
-    load = np.bincount(ranks, weights=w[experts], minlength=num_ranks)
-    room = rank_slots - np.bincount(ranks, minlength=num_ranks)
+    ranks = layer_of * num_ranks + rank_base[nodes] + np.where(turn % 2 == 0, pos, gi - 1 - pos)
+
+    rank_slots = np.tile(np.repeat(s, g), num_layers)
+    load = np.bincount(ranks, weights=w[layer_of, experts], minlength=num_layers * num_ranks)
+    room = rank_slots - np.bincount(ranks, minlength=num_layers * num_ranks)
 
     # 3. The rest in rounds: heaviest replicas to the least loaded ranks with room.
-    free = r - pinned.sum(axis=0)
-    rest = np.repeat(np.arange(num_experts), free)
-    rest = rest[np.lexsort((rest, -w[rest]))]
+    free = r - pinned_count
+    rest_layer = np.repeat(np.repeat(np.arange(num_layers), num_experts), free.ravel())
+    rest = np.repeat(np.tile(np.arange(num_experts), num_layers), free.ravel())
+    order = np.lexsort((rest, -w[rest_layer, rest], rest_layer))
+    rest_layer, rest = rest_layer[order], rest[order]
+    rest_start = np.searchsorted(rest_layer, np.arange(num_layers))
+    left = free.sum(axis=1)
     rest_ranks = np.empty(len(rest), dtype=np.int64)
-    done = 0
-    while done < len(rest):
+    while left.any():
         open_ranks = np.flatnonzero(room)
-        take = min(len(open_ranks), len(rest) - done)
-        lightest = open_ranks[np.argsort(load[open_ranks] / rank_slots[open_ranks],
-                                         kind="stable")[:take]]
-        batch = rest[done:done + take]
-        rest_ranks[done:done + take] = lightest
-        load[lightest] += w[batch]
-        room[lightest] -= 1
-        done += take
+        open_layer = open_ranks // num_ranks
+        open_ranks = open_ranks[np.lexsort((load[open_ranks] / rank_slots[open_ranks],
+                                            open_layer))]
+        open_layer = open_ranks // num_ranks
+        nth = np.arange(len(open_ranks)) - np.searchsorted(open_layer, open_layer)
+        take = nth < left[open_layer]
+        to, at_layer, nth = open_ranks[take], open_layer[take], nth[take]
+        item = rest_start[at_layer] + (free.sum(axis=1) - left)[at_layer] + nth
+        rest_ranks[item] = to
+        load[to] += w[at_layer, rest[item]]
+        room[to] -= 1
+        left -= np.bincount(at_layer, minlength=num_layers)
 
+    all_layer = np.concatenate((layer_of, rest_layer))
     all_experts = np.concatenate((experts, rest))
     all_ranks = np.concatenate((ranks, rest_ranks))
-    rank_node = np.repeat(np.arange(n), g)
-    free = np.full(len(rest), -1)
-    homes = [(np.concatenate((nodes, free)), BALANCED_ENOUGH)]
-    if reference is not None:
+    rank_node = np.tile(np.repeat(np.arange(n), g), num_layers)
+    loose = np.full(len(rest), -1)
+    homes = [(np.concatenate((nodes, loose)), BALANCED_ENOUGH)]
+    if references is not None:
         # Still out of balance: kept replicas may move after all, each one a transfer.
-        homes.append((np.concatenate((np.where(anchor, nodes, -1), free)), BALANCE_TARGET))
+        homes.append((np.concatenate((np.where(anchor, nodes, -1), loose)), BALANCE_TARGET))
     for home, enough in homes:
-        _exchange(all_ranks, w[all_experts], home, rank_node, load, rank_slots, enough)
-    flat = all_experts[np.argsort(all_ranks, kind="stable")].tolist()
+        _exchange(all_ranks, w[all_layer, all_experts], home, rank_node, load, rank_slots,
+                  num_ranks, enough)
+    flat = all_experts[np.argsort(all_ranks, kind="stable")].reshape(num_layers, -1)
+    if (capacity == capacity[0]).all():  # every node alike: split by reshaping
+        return flat.reshape(num_layers, n, -1).tolist()
     bounds = np.concatenate(([0], np.cumsum(capacity))).tolist()
-    return [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
+    return [[layer[bounds[i]:bounds[i + 1]] for i in range(n)] for layer in flat.tolist()]
 
 
 def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_node: np.ndarray,
-              load: np.ndarray, rank_slots: np.ndarray, enough: float) -> None:
-    """Pair the busier half of the ranks with the lighter half, and in every pair at once
+              load: np.ndarray, rank_slots: np.ndarray, num_ranks: int, enough: float) -> None:
+    """In every layer, pair its busiest ranks with lighter ones, and in every pair at once
     make the one swap of two replicas that lowers the pair's larger load the most
-    (``ranks`` in place). Round t pairs the i-th busiest with the (i + t)-th lightest, so
-    a busy rank meets other partners; stop after ``PATIENCE`` rounds in a row gain nothing
-    or ``STALLED_ROUNDS`` leave the busiest rank as it was.
-    A replica pinned to a node (``home`` >= 0) only trades places with replicas on that
-    node; the others trade with any free replica. Stops as soon as every busy rank is
-    within ``enough`` times the mean."""
-    num_ranks = len(load)
+    (``ranks`` in place; ranks are numbered layer by layer, ``num_ranks`` to a layer).
+
+    Round t pairs a layer's i-th busiest rank with its (i + t)-th lightest, so a busy rank
+    meets other partners. A layer stops after ``PATIENCE`` rounds in a row gain nothing, or
+    ``STALLED_ROUNDS`` leave its busiest rank as it was, or once its busy ranks are within
+    ``enough`` times its mean. A replica pinned to a node (``home`` >= 0) only trades places
+    with replicas on that node; the others trade with any free replica.
+    """
+    num_layers = len(load) // num_ranks
     order = np.argsort(ranks, kind="stable")
-    counts = np.bincount(ranks, minlength=num_ranks)
+    counts = np.bincount(ranks, minlength=len(load))
     width = int(counts.max()) if len(counts) else 0
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    slot_of = np.full((num_ranks, width), -1, dtype=np.int64)
-    column = np.arange(len(ranks)) - starts[ranks[order]]
-    slot_of[ranks[order], column] = order
-    mean = load.sum() / rank_slots.sum()
+    slot_of = np.full((len(load), width), -1, dtype=np.int64)
+    slot_of[ranks[order], np.arange(len(ranks)) - starts[ranks[order]]] = order
     padded_w = np.append(weights, np.nan)
     padded_home = np.append(home, -2)
+    layer_slots = rank_slots.reshape(num_layers, num_ranks).sum(axis=1)
     half = num_ranks // 2
-    idle = stalled = 0
-    busiest = np.inf
+    pairs = min(half, MAX_PAIRS)
+    if not pairs:
+        return
+    idle = np.zeros(num_layers, dtype=np.int64)
+    stalled = np.zeros(num_layers, dtype=np.int64)
+    busiest = np.full(num_layers, np.inf)
+    base = (np.arange(num_layers) * num_ranks)[:, None]
     for t in range(MAX_ROUNDS):
-        per_slot = load / rank_slots
-        # Only the busiest rank sets the step time: stop once rounds leave it be.
-        stalled = stalled + 1 if per_slot.max() >= busiest - 1e-12 else 0
-        busiest = min(busiest, per_slot.max())
-        if idle >= min(half, PATIENCE) or stalled >= STALLED_ROUNDS:
+        per_slot = (load / rank_slots).reshape(num_layers, num_ranks)
+        top = per_slot.max(axis=1)
+        stalled = np.where(top >= busiest - 1e-12, stalled + 1, 0)
+        busiest = np.minimum(busiest, top)
+        mean = load.reshape(num_layers, num_ranks).sum(axis=1) / layer_slots
+        active = (idle < min(half, PATIENCE)) & (stalled < STALLED_ROUNDS) & (
+            top > enough * mean)
+        if not active.any():
             return
-        by_load = np.argsort(per_slot, kind="stable")
-        heavy, light = by_load[::-1][:half], np.roll(by_load[:half], -(t % max(half, 1)))
-        busy = per_slot[heavy] > enough * mean
+        by_load = np.argsort(per_slot, axis=1, kind="stable")
+        heavy = (by_load[:, ::-1][:, :pairs] + base)
+        light = (by_load[:, (np.arange(pairs) + t) % half] + base)
+        busy = (per_slot.ravel()[heavy] > (enough * mean)[:, None]) & active[:, None]
         heavy, light = heavy[busy], light[busy]
-        if not len(heavy):
-            return
         xh, xl = slot_of[heavy], slot_of[light]
         d = padded_w[xh][:, :, None] - padded_w[xl][:, None, :]
         hh, hl = padded_home[xh][:, :, None], padded_home[xl][:, None, :]
@@ -161,8 +190,9 @@ def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_nod
                            (load[light][:, None, None] + d) / rank_slots[light][:, None, None])
         after = np.where(ok, after, np.inf).reshape(len(heavy), -1)
         pick = np.argmin(after, axis=1)
-        gain = after[np.arange(len(heavy)), pick] < per_slot[heavy] - 1e-12
-        idle = 0 if gain.any() else idle + 1
+        gain = after[np.arange(len(heavy)), pick] < load[heavy] / rank_slots[heavy] - 1e-12
+        gained = np.bincount(heavy[gain] // num_ranks, minlength=num_layers) > 0
+        idle = np.where(active & ~gained, idle + 1, np.where(gained, 0, idle))
         heavy, light, pick = heavy[gain], light[gain], pick[gain]
         a, b = pick // width, pick % width
         x, y = slot_of[heavy, a], slot_of[light, b]
@@ -175,15 +205,16 @@ def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_nod
 
 def _kept(reference: np.ndarray, pinned: np.ndarray, replicas: np.ndarray,
           capacity: np.ndarray) -> np.ndarray:
-    """Replicas each node keeps from ``reference``: no more per expert than the new count
-    leaves after the anchors, no more per node than its slots left after its anchors."""
+    """Replicas each node keeps from ``reference`` ([layer, node, expert]): no more per
+    expert than the new count leaves after the anchors, no more per node than its slots
+    left after its anchors."""
     spare = np.maximum(reference - pinned, 0)
-    free = replicas - pinned.sum(axis=0)
-    before = np.cumsum(spare, axis=0) - spare
-    kept = np.clip(free[None, :] - before, 0, spare)
-    room = capacity - pinned.sum(axis=1)
-    before = np.cumsum(kept, axis=1) - kept
-    return np.clip(room[:, None] - before, 0, kept)
+    free = replicas - pinned.sum(axis=1)
+    before = np.cumsum(spare, axis=1) - spare
+    kept = np.clip(free[:, None, :] - before, 0, spare)
+    room = capacity - pinned.sum(axis=2)
+    before = np.cumsum(kept, axis=2) - kept
+    return np.clip(room[:, :, None] - before, 0, kept)
 
 
 def rank_loads(placement: Placement, weights: Sequence[float],

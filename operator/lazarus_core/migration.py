@@ -108,28 +108,44 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
     """Transfers that give every node of ``new`` the experts it lacks.
 
     ``sources`` names the old nodes still able to send: survivors, plus a node under a spot
-    notice that is leaving the plan but is still alive.
+    notice that is leaving the plan but is still alive. Transfers are listed destination by
+    destination, layer by layer, expert by expert. The i-th transfer of a (layer, expert)
+    comes from its holders in turn, starting at a holder that differs from one
+    (layer, expert) to the next, so every holder sends its share.
     """
-    before = holdings(old)
-    holders: dict[tuple[int, int], list[str]] = defaultdict(list)
-    for name, per_layer in before.items():
-        if name in sources:
-            for li, es in enumerate(per_layer):
-                for e in es:
-                    holders[li, e].append(name)
-    sends: dict[str, int] = defaultdict(int)
-    transfers, lost = [], set()
-    for i, node in enumerate(new.nodes):
-        had = before.get(node.name) if node.name in sources else None
-        for li, layer in enumerate(new.layers):
-            for e in sorted(set(layer.placement[i])):
-                if had is not None and e in had[li]:
-                    continue
-                candidates = holders.get((li, e))
-                if not candidates:
-                    lost.add((li, e))
-                    continue
-                src = min(candidates, key=lambda s: (sends[s], s))
-                sends[src] += 1
-                transfers.append(Transfer(li, e, src, node.name))
-    return Migration(tuple(transfers), tuple(sorted(lost)))
+    names = [n.name for n in old.nodes]
+    row = {name: i for i, name in enumerate(names)}
+    can_send = np.array([name in sources for name in names])
+    # Destinations' rows in the old plan, where they are sources that held something.
+    had_row = np.array([row.get(n.name, -1) if n.name in sources else -1 for n in new.nodes])
+    experts = old.experts
+    needed, holding = [], []
+    for old_layer, new_layer in zip(old.layers, new.layers):
+        before = old_layer.counts > 0
+        after = new_layer.counts > 0
+        had = np.where((had_row >= 0)[:, None], before[np.maximum(had_row, 0)], False)
+        needed.append(after & ~had)
+        holding.append((before & can_send[:, None]).T)  # [expert, node]
+    wants = np.stack(needed, axis=1)  # [destination, layer, expert]
+    dest, layer, expert = np.nonzero(wants)
+    group = layer * experts + expert
+    # Holders of every (layer, expert), as one flat list with offsets.
+    holds = np.concatenate(holding)  # [layer * experts + expert, node]
+    count = holds.sum(axis=1)
+    start = np.concatenate(([0], np.cumsum(count)[:-1]))
+    holder_list = np.append(np.nonzero(holds)[1], -1)  # -1: a sentinel for lost groups
+    # The i-th transfer of its group, in listing order.
+    order = np.argsort(group, kind="stable")
+    nth = np.empty(len(group), dtype=np.int64)
+    firsts = np.concatenate(([True], group[order][1:] != group[order][:-1]))
+    run_start = np.maximum.accumulate(np.where(firsts, np.arange(len(order)), 0))
+    nth[order] = np.arange(len(order)) - run_start
+    ok = count[group] > 0
+    turn = np.where(ok, (group + nth) % np.maximum(count[group], 1), 0)
+    src = np.where(ok, holder_list[np.where(ok, start[group] + turn, -1)], -1)
+    new_names = [n.name for n in new.nodes]
+    transfers = tuple(Transfer(int(l), int(e), names[s], new_names[d])
+                      for d, l, e, s in zip(dest.tolist(), layer.tolist(), expert.tolist(),
+                                            src.tolist()) if s >= 0)
+    lost = sorted({(int(l), int(e)) for l, e in zip(layer[~ok].tolist(), expert[~ok].tolist())})
+    return Migration(transfers, tuple(lost))

@@ -18,16 +18,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .anchors import (LayerAnchors, align, anchor_greedily, balance_within, extract,
-                      family_of, repair)
+from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, anchors_of,
+                      balance_within, repair)
 from .allocation import even_out
-from .balance import BALANCE_TARGET, fill, rank_loads
+from .balance import BALANCE_TARGET, fill_layers, rank_loads
 from .placement import Grouping, Placement, compact, nested_groups, spread
 from .recovery import BITMAP_NODES, fatal_counts
 from .recovery_search import SCORING_BUDGET, improve, improve_anchors
 
 # Failure counts compared beyond BITMAP_NODES nodes (on fewer, every count is compared).
 SCORED_FAILURES = 6
+# Largest cluster on which the paper's groupings, spread and compact are tried as
+# constructions and as a floor.
+GROUPED_NODES = 32
 # Recovery probabilities this close at every failure count are equal for choosing between
 # replica counts and between fresh and repaired anchors: a failure model is not more
 # precise. On up to BITMAP_NODES nodes one failure set is worth more than this.
@@ -56,16 +59,21 @@ def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
 
     ``references[l][node, e]`` are the replicas a node already holds, kept where possible.
     """
-    return [_fill_layer(a, slots, load, ranks_per_node,
-                        references[li] if references is not None else None)
-            for li, (a, load) in enumerate(zip(anchors, loads))]
+    g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
+    weights = per_replica([a.replicas for a in anchors], loads)
+    return fill_layers([a.replicas for a in anchors], anchored_replicas(anchors), weights,
+                       g, [c // k for c, k in zip(slots, g)], references)
+
+
+def per_replica(replicas, loads) -> np.ndarray:
+    """[layer, expert]: the load each replica carries, t_e / r_e (0 without replicas)."""
+    r = np.asarray(replicas, dtype=np.float64)
+    return np.divide(np.asarray(loads, dtype=np.float64), r, out=np.zeros_like(r), where=r > 0)
 
 
 def _fill_layer(anchors: LayerAnchors, slots, load, ranks_per_node, reference) -> Placement:
-    g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
-    weights = [t / r if r else 0.0 for t, r in zip(load, anchors.replicas)]
-    return fill(anchors.replicas, anchors.anchored(), weights, g,
-                [c // k for c, k in zip(slots, g)], reference)
+    return place_anchored([anchors], slots, [load], ranks_per_node,
+                          None if reference is None else [reference])[0]
 
 
 def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
@@ -75,15 +83,15 @@ def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
               holders: Sequence[Sequence[int]] | None = None) -> list[LayerAnchors]:
     """Every layer's replica counts and anchors.
 
-    Fresh anchors are the most fragile layer's best anchors, aligned over all layers. With
-    ``loads``, the allocation formula's counts are tried as given and evened out
-    (``allocation.even_out``). With ``previous`` (each (layer, expert)'s core in the plan
-    before, as a mask of these node positions, 0 where it did not survive), repaired
-    anchors that keep experts on their cores are tried too, with new cores on the nodes that
-    hold an expert already (``holders``, masks like ``previous``). The model's fatal failure sets
-    decide (within ``RECOVERY_TOLERANCE``); at equal recovery, ranks within
-    ``balance.BALANCE_TARGET`` on the most fragile layer, then repaired anchors (they move
-    less), then the better balanced ranks.
+    With ``loads``, the allocation formula's counts are tried as given and evened out
+    (``allocation.even_out``), and the most fragile layer decides which. Fresh anchors are
+    that layer's best anchors, aligned over all layers. With ``previous`` (each
+    (layer, expert)'s core in the plan before, as a mask of these node positions, 0 where
+    it did not survive), repaired anchors that keep experts on their cores are tried too,
+    with new cores on the nodes that hold an expert already (``holders``, masks like
+    ``previous``), as they are and dealt anew within their cores. Each choice goes by
+    fatal failure sets (within ``RECOVERY_TOLERANCE``), then ranks within
+    ``balance.BALANCE_TARGET`` on the most fragile layer, then moving less, then balance.
     """
     variants = [[list(r) for r in layers]]
     if loads is None:
@@ -92,32 +100,56 @@ def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         traded = [even_out(r, t, len(slots)) for r, t in zip(layers, loads)]
         if traded != variants[0]:
             variants.append(traded)
-    k = scored_failures(len(slots))
-    options = []
+    n, k = len(slots), scored_failures(len(slots))
+    largest = largest_core(n)
+
+    def balance_of(anchors: LayerAnchors, probe: int, weights) -> float:
+        placement = _fill_layer(anchors, slots, loads[probe], ranks_per_node, None)
+        return _worst_rank(placement, weights[probe], slots, ranks_per_node)
+
+    # (fatal counts, moves, balance or a function that measures it, what to return)
+    counts = []
     for replicas in variants:
-        weights = [[t / r if r else 0.0 for t, r in zip(load, rs)]
-                   for load, rs in zip(loads, replicas)]
+        weights = per_replica(replicas, loads).tolist()
         probe = min(range(len(replicas)), key=lambda li: (sorted(replicas[li]), li))
         template = balance_within(best_anchors(replicas[probe], slots, weights[probe]),
-                                  weights[probe], len(slots))
-        largest = largest_core(len(slots))
-        # (anchors, how much they move: 0 keeps every surviving core's experts, 1 keeps
-        # the cores but deals their experts anew, 2 starts afresh)
-        tried = [(align(replicas, template, slots, weights, weights[probe], largest), 2)]
-        if previous is not None:
-            repaired = repair(replicas, weights, previous, holders, slots, largest)
-            tried.append((repaired, 0))
-            tried.append(([balance_within(a, w, len(slots)) for a, w in zip(repaired, weights)], 1))
-        for anchors, moves in tried:
-            placement = _fill_layer(anchors[probe], slots, loads[probe], ranks_per_node, None)
-            worst = _worst_rank(placement, weights[probe], slots, ranks_per_node)
-            options.append((model_key(anchors, len(slots), k), max(worst, BALANCE_TARGET),
-                            moves, worst, anchors))
-    # Recovery first, but curves within RECOVERY_TOLERANCE of the best count as equal; then
-    # ranks within BALANCE_TARGET; then moving less; then balance.
-    best = min(options, key=lambda o: o[0])[0]
-    close = [o for o in options if _within(o[0], best, len(slots))]
-    return min(close, key=lambda o: o[1:4])[4]
+                                  weights[probe], n)
+        counts.append((cores_key(template, n, k), 0, balance_of(template, probe, weights),
+                       (replicas, weights, probe, template)))
+    replicas, weights, probe, template = _choose(counts, n)
+    if previous is None:
+        return align(replicas, template, slots, weights, weights[probe], largest)
+    repaired = repair(replicas, weights, previous, holders, slots, largest)
+    key = model_key(repaired, n, k)
+
+    def dealt() -> list[LayerAnchors]:
+        return [balance_within(a, w, n) for a, w in zip(repaired, weights)]
+
+    def fresh() -> list[LayerAnchors]:
+        return align(replicas, template, slots, weights, weights[probe], largest)
+
+    # Aligning adds cores to the template's, so the template's counts stand for fresh
+    # anchors' until they are needed.
+    return _choose([
+        (key, 0, lambda: balance_of(repaired[probe], probe, weights), lambda: repaired),
+        (key, 1, lambda: balance_of(balance_within(repaired[probe], weights[probe], n), probe,
+                                    weights), dealt),
+        (cores_key(template, n, k), 2, lambda: balance_of(template, probe, weights), fresh),
+    ], n)()
+
+
+def _choose(options, num_nodes: int):
+    """The option to take: (fatal counts, moves, balance, value); balance may be a function
+    that measures it, called in order of moving less and no further than needed."""
+    best = min(o[0] for o in options)
+    close = sorted((o for o in options if _within(o[0], best, num_nodes)), key=lambda o: o[1])
+    scored = []
+    for _, moves, balance, value in close:
+        if scored and scored[-1][1] < moves and scored[-1][0] <= BALANCE_TARGET:
+            break
+        worst = balance() if callable(balance) else balance
+        scored.append((max(worst, BALANCE_TARGET), moves, worst, value))
+    return min(scored, key=lambda o: o[:3])[3]
 
 
 def _within(key: Sequence[int], best: Sequence[int], num_nodes: int) -> bool:
@@ -159,6 +191,11 @@ def best_anchors(replicas: Sequence[int], slots: Sequence[int],
         return _anchors_of(spread(replicas, slots), replicas)
 
     greedy = anchor_greedily(replicas, weights, [], slots, largest_core(len(slots)))
+    if len(slots) > GROUPED_NODES:
+        # Beyond GROUPED_NODES the paper's groupings, spread and compact never beat the
+        # greedy construction in a sweep of 920 configurations (docs/placement.md), and
+        # scoring each costs milliseconds.
+        return improve_anchors(greedy, slots, k)
     placements = [spread(replicas, slots), fill_anchors(greedy, slots)]
     for sizes in _group_sizes(num_experts, min(slots), len(slots)):
         for nested in sorted({1, 2, len(sizes) - 1, len(sizes)} & set(range(1, len(sizes) + 1))):
@@ -185,9 +222,7 @@ def best_anchors(replicas: Sequence[int], slots: Sequence[int],
 
 def fill_anchors(anchors: LayerAnchors, slots: Sequence[int]) -> Placement:
     """A placement with ``anchors``, free replicas dealt to balance equal-load experts."""
-    replicas = anchors.replicas
-    return fill(replicas, anchors.anchored(), [1.0 / r if r else 0.0 for r in replicas],
-                [1] * len(slots), list(slots))
+    return _fill_layer(anchors, slots, [1.0] * len(anchors.replicas), None, None)
 
 
 def cores_key(anchors: LayerAnchors, num_nodes: int, k: int) -> tuple[int, ...]:
@@ -195,7 +230,7 @@ def cores_key(anchors: LayerAnchors, num_nodes: int, k: int) -> tuple[int, ...]:
 
 
 def _anchors_of(placement: Placement, replicas: Sequence[int]) -> LayerAnchors:
-    return extract(placement, replicas, family_of([placement], len(replicas)))
+    return anchors_of([placement], [replicas])[0]
 
 
 def _group_sizes(num_experts: int, per_node: int, num_nodes: int) -> list[list[int]]:

@@ -10,7 +10,12 @@ Node order is rank order: node i owns the ranks in ``nodes[i].ranks`` and its sl
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from itertools import chain
+
+import numpy as np
 
 SCHEMA_VERSION = "lazarus.dev/plan/v1"
 # Placement policies a plan can be made with (spec.placement).
@@ -48,6 +53,23 @@ class LayerPlan:
 
     replicas: tuple[int, ...]
     placement: tuple[tuple[int, ...], ...]
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """[node, expert]: replicas of each expert on each node (computed once)."""
+        return replica_counts(self.placement, len(self.replicas))
+
+
+def replica_counts(placement: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
+    """[node, expert]: how many replicas of the expert the node holds."""
+    sizes = [len(p) for p in placement]
+    if len(set(sizes)) == 1:  # every node alike: one array conversion, no Python loop
+        flat = np.array(placement, dtype=np.int64).ravel()
+    else:
+        flat = np.fromiter(chain.from_iterable(placement), dtype=np.int64, count=sum(sizes))
+    rows = np.repeat(np.arange(len(placement)), sizes)
+    counts = np.bincount(rows * num_experts + flat, minlength=len(placement) * num_experts)
+    return counts.reshape(len(placement), num_experts)
 
 
 @dataclass(frozen=True)

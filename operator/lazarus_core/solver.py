@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocation import allocate_replicas
-from .anchors import extract, family_of, nodes_of
+from .anchors import anchors_of, masks_of, nodes_of
 from .migration import Migration, map_nodes_optimal, plan_transfers
 from .mro import mro, place_anchored, structure
 from .placement import Placement, compact, spread
@@ -96,31 +96,25 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
 def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
     """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
     ``ordered``, or 0 when a node of that core is gone."""
-    layers = [[list(s) for s in layer.placement] for layer in old.layers]
-    family = family_of(layers, old.experts)
+    anchors = anchors_of([layer.placement for layer in old.layers],
+                         [layer.replicas for layer in old.layers])
     position = {n.name: q for q, n in enumerate(ordered)}
-    translate = {}
-    for core in family:
+    translate = {0: 0}
+    for core in {c for a in anchors for c in a.cores} - {0}:
         names = [old.nodes[i].name for i in nodes_of(core)]
         translate[core] = (sum(1 << position[name] for name in names)
                            if all(name in position for name in names) else 0)
-    return [[translate[c] if c else 0
-             for c in extract(p, layer.replicas, family).cores]
-            for p, layer in zip(layers, old.layers)]
+    return [[translate[c] for c in a.cores] for a in anchors]
 
 
 def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> list[np.ndarray]:
     """Per layer, [position, expert]: replicas the node now at each position already holds."""
     index = {n.name: i for i, n in enumerate(old.nodes)}
-    out = []
-    for layer in old.layers:
-        ref = np.zeros((len(ordered), old.experts), dtype=np.int64)
-        for q, node in enumerate(ordered):
-            i = index.get(node.name)
-            if i is not None and node.name in sources and layer.placement[i]:
-                np.add.at(ref[q], list(layer.placement[i]), 1)
-        out.append(ref)
-    return out
+    rows = [index.get(n.name, -1) if n.name in sources else -1 for n in ordered]
+    held = np.array([i >= 0 for i in rows])[:, None]
+    take = np.maximum(rows, 0)
+    return [np.where(held, layer.counts[take], 0)
+            for layer in old.layers]
 
 
 @dataclass(frozen=True)
@@ -148,8 +142,7 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
                                        loads)
         slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
         references = _references(old, ordered, sources)
-        holders = [[sum(1 << int(q) for q in np.flatnonzero(ref[:, e])) for e in range(old.experts)]
-                   for ref in references]
+        holders = [masks_of(ref.T > 0) for ref in references]
         anchors = structure(replicas, slots, loads, gpus, surviving_cores(old, ordered), holders)
         replicas = [list(a.replicas) for a in anchors]
         weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
