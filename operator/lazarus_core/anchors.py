@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import replica_counts
-from .recovery import minimal_sets
+from .recovery import masks_of, minimal_rows, minimal_sets
 
 Placement = list[list[int]]
 
@@ -53,19 +53,13 @@ def anchored_replicas(layers: Sequence[LayerAnchors]) -> np.ndarray:
     return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
 
 
-def masks_of(present: np.ndarray) -> list[int]:
-    """One bitmask per row of a boolean [row, node] matrix (bit i: node i)."""
-    packed = np.packbits(present, axis=1, bitorder="little")
-    return [int.from_bytes(row.tobytes(), "little") for row in packed]
-
-
 def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]]
                ) -> list[LayerAnchors]:
     """Each layer's anchors: every expert on the smallest core its node set contains, the
     cores being the minimal node sets over all the given layers."""
     num_experts = len(replicas[0])
     presence = [replica_counts(p, num_experts).T > 0 for p in placements]  # [expert, node]
-    cores = _minimal_rows(np.concatenate(presence))
+    cores = minimal_rows(np.concatenate(presence))
     sizes = cores.sum(axis=1)
     masks = masks_of(cores) + [0]
     out = []
@@ -75,26 +69,6 @@ def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]
         which = np.where(contained.any(axis=1), contained.argmax(axis=1), len(masks) - 1)
         out.append(LayerAnchors(tuple(counts), tuple(masks[i] for i in which.tolist())))
     return out
-
-
-def _minimal_rows(present: np.ndarray) -> np.ndarray:
-    """The distinct non-empty rows of a boolean [set, node] matrix that contain no other,
-    smallest first."""
-    present = present[present.any(axis=1)]
-    packed = np.ascontiguousarray(np.packbits(present, axis=1))
-    # Distinct rows: compare packed rows as single opaque values, far cheaper than by column.
-    _, first = np.unique(packed.view(np.dtype((np.void, packed.shape[1]))).ravel(),
-                         return_index=True)
-    rows = present[np.sort(first)]
-    sizes = rows.sum(axis=1)
-    kept = np.zeros((0, present.shape[1]), dtype=bool)
-    for size in np.unique(sizes):
-        same = rows[sizes == size]
-        if len(kept):
-            inside = same.astype(np.int32) @ kept.T.astype(np.int32) == kept.sum(axis=1)
-            same = same[~inside.any(axis=1)]
-        kept = np.concatenate((kept, same))
-    return kept
 
 
 def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequence[int],

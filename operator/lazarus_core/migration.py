@@ -9,15 +9,12 @@ spread so that no holder serves more than its share.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import linear_sum_assignment
 
-from .plan import Plan, Transfer
+from .plan import Plan, Transfer, replica_counts
 from .topology import NodeSpec
 
 Placement = list[list[int]]
@@ -49,27 +46,15 @@ def holdings(plan: Plan) -> dict[str, list[set[int]]]:
     }
 
 
-def presence_matrix(held: Sequence[Sequence[set[int]]], experts: int) -> sparse.csr_matrix:
-    """Rows: nodes; columns: (layer, expert); 1 where the node holds that expert."""
-    num_layers = len(held[0]) if held else 0
-    rows, cols = [], []
-    for i, per_layer in enumerate(held):
-        for li, es in enumerate(per_layer):
-            cols.extend(li * experts + e for e in es)
-            rows.extend([i] * len(es))
-    data = np.ones(len(rows), dtype=np.float64)
-    return sparse.csr_matrix((data, (rows, cols)), shape=(len(held), num_layers * experts))
-
-
 def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement]) -> np.ndarray:
     """retained[i, q]: replicas node i already holds of what position q needs."""
-    experts = old.experts
-    before = holdings(old)
-    empty = [set() for _ in layers]
-    old_m = presence_matrix([before.get(n.name, empty) for n in nodes], experts)
-    new_m = presence_matrix(
-        [[set(layer[q]) for layer in layers] for q in range(len(nodes))], experts)
-    return (old_m @ new_m.T).toarray()
+    row = {n.name: i for i, n in enumerate(old.nodes)}
+    rows = np.array([row.get(n.name, -1) for n in nodes])
+    # [node, layer * expert]: does the node hold it (before), does the position need it (after)
+    before = np.concatenate([layer.counts > 0 for layer in old.layers], axis=1)
+    before = np.where((rows >= 0)[:, None], before[np.maximum(rows, 0)], False)
+    after = np.concatenate([replica_counts(p, old.experts) > 0 for p in layers], axis=1)
+    return before.astype(np.int64) @ after.T.astype(np.int64)
 
 
 def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.ndarray:
@@ -80,6 +65,10 @@ def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.
 def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],
                       layers: Sequence[Placement]) -> list[int]:
     """position -> index into ``nodes``, keeping the most replicas in place."""
+    # scipy is imported here, not at the top: it doubles the start-up time of every
+    # `lazarus` command, and only a re-plan of spread or compact placements gets here.
+    from scipy.optimize import linear_sum_assignment
+
     gain = _retained(old, nodes, layers)
     cost = np.where(_compatible(nodes, positions), -gain, _FORBIDDEN)
     rows, cols = linear_sum_assignment(cost)

@@ -7,15 +7,41 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocation import allocate_replicas
-from .anchors import anchors_of, masks_of, nodes_of
+from .anchors import anchors_of, nodes_of
 from .migration import Migration, map_nodes_optimal, plan_transfers
 from .mro import mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
-from .recovery import recovery_table
+from .recovery import masks_of, recovery_table
 from .topology import NodeSpec, check_nodes, failure_domain_order
 
 DEFAULT_MAX_FAILURES = 5
+
+# Sizes the solver is built and measured for (benchmarks/bench_solver.py plans 4,096 GPUs,
+# 512 nodes x 32 slots x 61 layers, in well under a second); past them a plan takes minutes
+# or more memory than a controller has, so they are refused up front.
+LIMITS = {"nodes": 4096, "slots": 1024, "experts": 1024, "layers": 512}
+# Slots over all nodes and layers: twice the 4,096-GPU plan.
+MAX_SLOT_ENTRIES = 1 << 21
+
+
+def check_size(nodes: int, slots: int, experts: int, layers: int,
+               names: dict[str, str] | None = None) -> None:
+    """Refuse sizes beyond ``LIMITS`` with one message that names the field and the limit.
+
+    ``slots`` is the most expert slots of any node; ``names`` maps the fields (nodes,
+    slots, experts, layers) to what the caller calls them (a CLI flag, a spec field).
+    """
+    names = {**{k: k for k in LIMITS}, **(names or {})}
+    given = {"nodes": nodes, "slots": slots, "experts": experts, "layers": layers}
+    for field, limit in LIMITS.items():
+        if given[field] > limit:
+            raise ValueError(f"{names[field]}: at most {limit:,} (the most the solver is "
+                             f"built for), got {given[field]:,}")
+    if nodes * slots * layers > MAX_SLOT_ENTRIES:
+        raise ValueError(f"{names['nodes']} x {names['slots']} x {names['layers']}: at most "
+                         f"{MAX_SLOT_ENTRIES:,} expert slots over all nodes and layers (the "
+                         f"most the solver is built for), got {nodes * slots * layers:,}")
 
 
 def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement]:
@@ -68,6 +94,7 @@ def _positions(nodes, experts, layers, min_replicas, loads):
     if layers < 1:
         raise ValueError(f"layers: must be >= 1, got {layers}")
     check_nodes(list(nodes))
+    check_size(len(nodes), max(n.slots for n in nodes), experts, layers)
     ordered = failure_domain_order(list(nodes))
     return ordered, allocate_layers(loads, layers, experts, sum(n.slots for n in ordered),
                                     min_replicas)
