@@ -16,7 +16,6 @@ ns=${LAZARUS_DEMO_NAMESPACE:-lazarus-demo}
 venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
 kubeconfig=$("$LAZARUS_ROOT/hack/cluster.sh" up | tail -1)
 export KUBECONFIG=$kubeconfig PATH="$("$LAZARUS_ROOT/hack/cluster.sh" path):$venv/bin:$PATH"
-export PYTHONPATH="$LAZARUS_ROOT/tests"
 cd "$LAZARUS_ROOT"
 work=$(mktemp -d)
 pids=()

@@ -3,33 +3,21 @@ Service, the plan ConfigMap, the workers' headless Service. They take plain data
 manifests (dicts), so they are unit-tested without a cluster; the handlers decide when to
 apply them.
 
-The contract with the runtime (runtime/):
-- The coordinator pod (``python -m lazarus_runtime.cluster_coordinator``) follows the plan
-  ConfigMap (LAZARUS_PLAN_CONFIGMAP): ``plan.json`` is the latest generation, ``draining.json``
-  the nodes out of the plan whose workers still send their experts away (spot notice), and
-  ``restore.json``, present when the latest reconfiguration lost experts. It serves the
-  workers' rendezvous store on LAZARUS_COORDINATOR_PORT behind the Service
-  ``<job>-coordinator``, and reports progress by writing PROGRESS_ANNOTATION (JSON: step,
-  generation, loads, checkpointStep) on the pod of rank 0; the operator reads it there.
-- Each worker pod gets LAZARUS_COORDINATOR (host:port of that Service), LAZARUS_NODE_NAME
-  (downward API: plans name nodes), LAZARUS_RUNTIME (``spec.runtime`` as JSON),
-  LAZARUS_CHECKPOINT_PATH / _EVERY_STEPS, and for reference LAZARUS_JOB, LAZARUS_NAMESPACE,
-  LAZARUS_POD_NAME, LAZARUS_PLAN_CONFIGMAP and LAZARUS_WORKERS_SERVICE.
+The contracts with the runtime are defined once in the core: the names of the objects the
+coordinator shares with the operator in ``lazarus_core.cluster_contract`` (the plan
+ConfigMap's keys, the progress annotation, the labels), and the processes' environment in
+``lazarus_core.process_env``.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
-# The names the coordinator pod shares; the operator's modules take them from here.
-from lazarus_core.cluster_contract import (DRAINING_KEY, GROUP, JOB_LABEL,  # noqa: F401
-                                           PLAN_KEY, PROGRESS_ANNOTATION, RESTORE_KEY,
-                                           ROLE_LABEL, training_env)
+from lazarus_core import process_env as penv
+from lazarus_core.cluster_contract import (API_VERSION, GROUP, JOB_LABEL, KIND, ROLE_LABEL,
+                                           plan_configmap_data)
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.plan import Plan
 
-VERSION = "v1alpha1"
-PLURAL = "lazarusjobs"
 INDEX_LABEL = f"{GROUP}/worker-index"
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
 DEFAULT_IMAGE = "ghcr.io/lazarus-moe/runtime:0.1.0"
@@ -72,18 +60,13 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
     """Worker pod ``index`` of ``job``: one per node, carrying where to find the coordinator."""
     t: Mapping = spec.template
     name = worker_name(job, index)
-    env = [
-        {"name": "LAZARUS_COORDINATOR",
-         "value": f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"},
-        {"name": "LAZARUS_JOB", "value": job},
-        {"name": "LAZARUS_NAMESPACE", "value": namespace},
-        {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
-        {"name": "LAZARUS_WORKERS_SERVICE", "value": service_name(job)},
-        {"name": "LAZARUS_GPUS_PER_NODE", "value": str(spec.gpus_per_node)},
-        {"name": "LAZARUS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "LAZARUS_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-    ]
-    env += [{"name": k, "value": v} for k, v in training_env(spec).items()]
+    coordinator = f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"
+    env = [{"name": k, "value": v} for k, v in (penv.worker_env(spec, coordinator) | {
+        penv.JOB: job, penv.NAMESPACE: namespace, penv.PLAN_CONFIGMAP: plan_configmap_name(job),
+        penv.WORKERS_SERVICE: service_name(job), penv.GPUS_PER_NODE: str(spec.gpus_per_node),
+    }).items()]
+    env += [{"name": penv.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": penv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
     container = {
@@ -149,14 +132,8 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec,
     t: Mapping = spec.template
     placement: Mapping = spec.coordinator
     name = coordinator_name(job)
-    env = [
-        {"name": "LAZARUS_JOB", "value": job},
-        {"name": "LAZARUS_NAMESPACE", "value": namespace},
-        {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
-        {"name": "LAZARUS_COORDINATOR_PORT", "value": str(port)},
-    ]
-    if spec.steps is not None:
-        env.append({"name": "LAZARUS_STEPS", "value": str(spec.steps)})
+    env = [{"name": k, "value": v} for k, v in penv.coordinator_env(
+        job, namespace, plan_configmap_name(job), port, spec.steps).items()]
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
     container = {
@@ -210,14 +187,10 @@ def build_coordinator_service(job: str, namespace: str, port: int = COORDINATOR_
 
 
 def build_plan_configmap(job: str, namespace: str, plan: Plan,
-                         restore: Mapping | None = None,
                          draining: tuple[str, ...] = ()) -> dict:
-    """The published plan. ``restore`` (generation, step, lost) is present only when the
-    workers of this generation must reload a checkpoint; ``draining``: the nodes out of
-    the plan whose workers still hold experts to send (spot notice)."""
-    data = {PLAN_KEY: plan.to_json(), DRAINING_KEY: json.dumps(sorted(draining))}
-    if restore is not None:
-        data[RESTORE_KEY] = json.dumps(dict(restore), sort_keys=True)
+    """The published plan; ``draining``: the nodes out of the plan whose workers still hold
+    experts to send (spot notice)."""
+    data = plan_configmap_data(plan, draining)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -256,7 +229,7 @@ def build_event(job_ref: Mapping, reason: str, message: str, kind: str, now_iso:
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": name, "namespace": job_ref["namespace"]},
-        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LazarusJob",
+        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND,
                            "name": job_ref["name"], "namespace": job_ref["namespace"],
                            "uid": job_ref["uid"]},
         "reason": reason,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
+from lazarus_core.handover import Handover
 from lazarus_core.plan import Plan, Transfer
 
 _PREFIX = "lazarus/"
@@ -42,6 +43,12 @@ class Directive:
     # Plan nodes that hold no state yet, and the survivor that sends them the dense state.
     joiners: tuple[str, ...] = ()
     dense_source: str | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, handover: Handover) -> "Directive":
+        return cls(plan, start_step=handover.start_step, transfers=handover.transfers,
+                   draining=handover.draining, restore_step=handover.restore_step,
+                   joiners=handover.joiners, dense_source=handover.dense_source)
 
     @property
     def generation(self) -> int:

@@ -5,6 +5,10 @@ import pytest
 
 pytest.importorskip("kopf")  # the operator extra
 
+from lazarus_core import process_env as penv  # noqa: E402
+from lazarus_core.cluster_contract import (PROGRESS_ANNOTATION, progress_json,  # noqa: E402
+                                           read_plan_configmap)
+from lazarus_core.controller import Progress  # noqa: E402
 from lazarus_core.job_spec import parse_spec  # noqa: E402
 from lazarus_core.solver import plan_job  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
@@ -22,7 +26,7 @@ SPEC = parse_spec({
                  "resources": {"limits": {"nvidia.com/gpu": 2}},
                  "tolerations": [{"key": "spot", "operator": "Exists"}],
                  "env": [{"name": "EXTRA", "value": "1"},
-                         {"name": "LAZARUS_JOB", "value": "cannot override"}]},
+                         {"name": penv.JOB, "value": "cannot override"}]},
 })
 
 
@@ -32,12 +36,16 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "7"
     c = pod["spec"]["containers"][0]
     env = {e["name"]: e for e in c["env"]}
-    assert env["LAZARUS_PLAN_CONFIGMAP"]["value"] == "j-plan"
-    assert env["LAZARUS_JOB"]["value"] == "j"  # the template cannot redirect a worker
+    assert env[penv.PLAN_CONFIGMAP]["value"] == "j-plan"
+    assert env[penv.JOB]["value"] == "j"  # the template cannot redirect a worker
     assert env["EXTRA"]["value"] == "1"
-    assert json.loads(env["LAZARUS_RUNTIME"]["value"])["model"] == "tiny"
-    assert env["LAZARUS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert env["LAZARUS_COORDINATOR"]["value"] == "j-coordinator.ns.svc:29400"
+    assert env[penv.NODE_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # What the worker reads from it (the kubelet fills in the downward API's node name).
+    seen = {k: e.get("value", "node-7") for k, e in env.items()}
+    worker = penv.read_worker_env(seen)
+    assert worker.coordinator_address == ("j-coordinator.ns.svc", 29400)
+    assert (worker.node, worker.runtime["model"]) == ("node-7", "tiny")
+    assert (worker.checkpoint_path, worker.checkpoint_every_steps) == ("/ckpt", 10)
     assert pod["metadata"]["labels"]["team"] == "moe"  # the template's labels ride along,
     assert pod["metadata"]["labels"]["lazarus.dev/role"] == "worker"  # never over ours
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
@@ -57,8 +65,10 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     env = {e["name"]: e["value"] for e in c["env"]}
     assert pod["metadata"]["name"] == svc["metadata"]["name"] == "j-coordinator"
     assert c["command"][-1] == "lazarus_runtime.cluster_coordinator"
-    assert (env["LAZARUS_PLAN_CONFIGMAP"], env["LAZARUS_COORDINATOR_PORT"]) == ("j-plan", "1234")
-    assert env["EXTRA"] == "1" and env["LAZARUS_JOB"] == "j"
+    coordinator = penv.read_coordinator_env(env)
+    assert (coordinator.job, coordinator.plan_configmap, coordinator.port) == ("j", "j-plan", 1234)
+    assert coordinator.steps is None  # trains until deleted
+    assert env["EXTRA"] == "1"
     # spec.coordinator places it; none of the workers' GPU request, selector or tolerations.
     assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["spec"]["tolerations"] == []
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
@@ -69,25 +79,38 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1)
     assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
     assert svc["spec"]["ports"][0]["port"] == 1234
-    assert "LAZARUS_STEPS" not in env  # trains until deleted
     finite = builders.build_coordinator_pod("j", "ns", parse_spec(
         {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
          "slotsPerGpu": 4, "steps": 300}))
-    assert {e["name"]: e["value"] for e in finite["spec"]["containers"][0]["env"]}[
-        "LAZARUS_STEPS"] == "300"
+    assert penv.read_coordinator_env({e["name"]: e["value"] for e in finite["spec"][
+        "containers"][0]["env"]}).steps == 300
 
 
-def test_plan_configmap_round_trips_the_plan_and_flags_a_restore():
+def test_a_process_started_without_its_environment_is_told_what_is_missing():
+    with pytest.raises(penv.EnvError, match=penv.NODE_NAME):
+        penv.read_worker_env({penv.COORDINATOR: "h:1", penv.RUNTIME: "{}"})
+    with pytest.raises(penv.EnvError, match="malformed"):
+        penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n",
+                                   penv.PLAN_CONFIGMAP: "p", penv.COORDINATOR_PORT: "x"})
+
+
+def test_plan_configmap_round_trips_the_plan_and_the_draining_nodes():
     nodes = [NodeSpec(f"n{i}", 2, 2) for i in range(3)]
     plan = plan_job(nodes, 4, 2, 2)
-    cm = builders.build_plan_configmap("j", "ns", plan, {"generation": 1, "step": 20})
+    cm = builders.build_plan_configmap("j", "ns", plan)
     assert cm["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "1"
-    assert type(plan).from_json(cm["data"][builders.PLAN_KEY]) == plan
-    assert json.loads(cm["data"][builders.RESTORE_KEY])["step"] == 20
-    assert builders.RESTORE_KEY not in builders.build_plan_configmap("j", "ns", plan)["data"]
-    assert json.loads(cm["data"][builders.DRAINING_KEY]) == []
+    assert read_plan_configmap(cm["data"]) == (plan, frozenset())
     drained = builders.build_plan_configmap("j", "ns", plan, draining=("n9", "n7"))
-    assert json.loads(drained["data"][builders.DRAINING_KEY]) == ["n7", "n9"]
+    assert read_plan_configmap(drained["data"]) == (plan, frozenset({"n7", "n9"}))
+
+
+def test_progress_reports_round_trip_with_what_the_coordinator_measured():
+    p = Progress(step=12, generation=3, loads=((1, 2), (3, 4)), checkpoint_step=10,
+                 experts_migrated=5, restored_step=None, experts_lost=0, restores=2)
+    pod = _pod("j-worker-0", "a")
+    pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = progress_json(p)
+    obs = observe_workers([pod], {"a": NodeInfo.from_manifest(_node("a"))}, SPEC)
+    assert obs.progress == p
 
 
 def _node(name, ready=True, taints=(), labels=None):
@@ -101,7 +124,7 @@ def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     if progress:
-        meta["annotations"][builders.PROGRESS_ANNOTATION] = json.dumps(progress)
+        meta["annotations"][PROGRESS_ANNOTATION] = json.dumps(progress)
     return {"metadata": meta, "spec": {"nodeName": node} if node else {},
             "status": {"phase": phase, "conditions": list(conditions)}}
 
@@ -149,5 +172,5 @@ def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
     before = pod_fingerprint(pod)
     pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] = "9"
     assert pod_fingerprint(pod) == before
-    pod["metadata"]["annotations"][builders.PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
+    pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
     assert pod_fingerprint(pod) != before
