@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from lazarus_core.cluster_contract import GROUP, PLURAL, VERSION
+from lazarus_core.cluster_contract import GROUP, PLAN_KEY, PLURAL, VERSION, read_plan_configmap
 from testcluster import local
 from testcluster.kube import api_client
 from testcluster.nodepools import build_node, load_pools
@@ -170,8 +170,8 @@ class PlanWatcher:
                                                   timeout_seconds=300):
                     at = time.monotonic()
                     data = event["object"].data or {}
-                    if event["type"] != "DELETED" and "plan.json" in data:
-                        plan = json.loads(data["plan.json"])
+                    if event["type"] != "DELETED" and PLAN_KEY in data:
+                        plan = read_plan_configmap(data)[0].to_dict()
                         self.seen.append((plan, at))
                         self.latest = plan
             except Exception:  # noqa: BLE001 - a dropped watch is re-opened
