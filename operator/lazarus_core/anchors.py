@@ -38,35 +38,38 @@ class LayerAnchors:
 
 def anchored_replicas(layers: Sequence[LayerAnchors]) -> np.ndarray:
     """One row (layer, node, expert) per anchored replica of every layer."""
-    nodes = {}
-    rows = []
-    for li, anchors in enumerate(layers):
-        cores = np.asarray(anchors.cores, dtype=object)
-        for core in set(anchors.cores) - {0}:
-            if core not in nodes:
-                nodes[core] = np.asarray(nodes_of(core), dtype=np.int64)
-            experts = np.flatnonzero(cores == core)
-            at = nodes[core]
-            rows.append(np.column_stack((np.full(len(experts) * len(at), li),
-                                         np.tile(at, len(experts)),
-                                         np.repeat(experts, len(at)))))
-    return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
+    cores = [c for a in layers for c in a.cores]
+    distinct, which = np.unique(np.array(cores, dtype=object), return_inverse=True)
+    n = max((int(c).bit_length() for c in distinct), default=0)
+    width = (n + 7) // 8
+    bits = np.zeros((len(distinct), n), dtype=bool)
+    for row, core in enumerate(distinct.tolist()):
+        packed = np.frombuffer(core.to_bytes(width, "little"), dtype=np.uint8)
+        bits[row] = np.unpackbits(packed, bitorder="little")[:n]
+    pair, node = np.nonzero(bits[which])  # pair = layer * experts + expert
+    experts = len(layers[0].cores) if layers else 1
+    return np.column_stack((pair // experts, node, pair % experts)).astype(np.int64)
 
 
-def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]]
-               ) -> list[LayerAnchors]:
+def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]],
+               largest: int | None = None) -> list[LayerAnchors]:
     """Each layer's anchors: every expert on the smallest core its node set contains, the
-    cores being the minimal node sets over all the given layers."""
+    cores being the minimal node sets over all the given layers (those of at most
+    ``largest`` nodes: an expert whose node set contains none has no core)."""
     num_experts = len(replicas[0])
     presence = [replica_counts(p, num_experts).T > 0 for p in placements]  # [expert, node]
-    cores = minimal_rows(np.concatenate(presence))
+    every = np.concatenate(presence)
+    if largest is not None:
+        every = every[every.sum(axis=1) <= largest]
+    cores = minimal_rows(every)
     sizes = cores.sum(axis=1)
     masks = masks_of(cores) + [0]
     out = []
     for present, counts in zip(presence, replicas):
         contained = present.astype(np.int32) @ cores.T.astype(np.int32) == sizes
         # cores are sorted by size: the first one contained is the smallest
-        which = np.where(contained.any(axis=1), contained.argmax(axis=1), len(masks) - 1)
+        contained = np.concatenate((contained, np.ones((len(contained), 1), dtype=bool)), axis=1)
+        which = contained.argmax(axis=1)  # the last column (no core) when none is contained
         out.append(LayerAnchors(tuple(counts), tuple(masks[i] for i in which.tolist())))
     return out
 
@@ -170,6 +173,14 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
                 break
             if not c & full and (c & held).bit_count() > most:
                 core, smallest, most = c, width, (c & held).bit_count()
+        if size == largest and held and (core is None or core & held != core):
+            # Anchored on ``largest`` nodes, e is never fatal at the failure counts scored:
+            # any of the nodes that hold it already will do, and nobody else needs them.
+            open_held = [i for i in nodes_of(held) if room[i]]
+            if len(open_held) >= size:
+                core = sum(1 << i for i in open_held[:size])
+                take(e, core)
+                continue
         if core is None:
             open_nodes = sorted((i for i in range(n) if room[i]),
                                 key=lambda i: (not held >> i & 1, -room[i], i))

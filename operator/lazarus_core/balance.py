@@ -64,16 +64,14 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     pinned_count = np.bincount(layer_of * num_experts + experts,
                                minlength=num_layers * num_experts).reshape(num_layers, -1)
     if references is not None:
-        anchors = np.zeros((num_layers, n, num_experts), dtype=np.int64)
-        anchors[layer_of, nodes, experts] = 1
-        kept = _kept(np.asarray(references), anchors, r, capacity)
-        kl, kn, ke = np.nonzero(kept)
-        counts = kept[kl, kn, ke]
+        kl, kn, ke, counts = _kept(references, layer_of, nodes, experts, r, capacity)
         layer_of = np.concatenate((layer_of, np.repeat(kl, counts)))
         nodes = np.concatenate((nodes, np.repeat(kn, counts)))
         experts = np.concatenate((experts, np.repeat(ke, counts)))
         is_anchor = np.concatenate((is_anchor, np.zeros(int(counts.sum()), dtype=bool)))
-        pinned_count += kept.sum(axis=1)
+        pinned_count += np.bincount(kl * num_experts + ke, weights=counts,
+                                    minlength=num_layers * num_experts).astype(
+                                        np.int64).reshape(num_layers, -1)
 
     # 2. Pinned replicas onto their node's ranks, heaviest first, in snake order.
     by_node = np.lexsort((experts, -w[layer_of, experts], nodes, layer_of))
@@ -203,18 +201,49 @@ def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_nod
         slot_of[heavy, a], slot_of[light, b] = y, x
 
 
-def _kept(reference: np.ndarray, pinned: np.ndarray, replicas: np.ndarray,
-          capacity: np.ndarray) -> np.ndarray:
-    """Replicas each node keeps from ``reference`` ([layer, node, expert]): no more per
+def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndarray,
+          experts: np.ndarray, replicas: np.ndarray, capacity: np.ndarray):
+    """Replicas each node keeps from ``references`` (per layer, [node, expert]) besides its
+    anchors (one row per anchor in ``layer_of``, ``nodes``, ``experts``): no more per
     expert than the new count leaves after the anchors, no more per node than its slots
-    left after its anchors."""
-    spare = np.maximum(reference - pinned, 0)
-    free = replicas - pinned.sum(axis=1)
-    before = np.cumsum(spare, axis=1) - spare
-    kept = np.clip(free[:, None, :] - before, 0, spare)
-    room = capacity - pinned.sum(axis=2)
-    before = np.cumsum(kept, axis=2) - kept
-    return np.clip(room[:, :, None] - before, 0, kept)
+    left after its anchors, nodes in order. As (layer, node, expert, count) arrays; only
+    what a node holds is looked at, not every (node, expert) pair."""
+    num_layers, num_experts = replicas.shape
+    n = len(capacity)
+    held = [np.nonzero(ref) for ref in references]
+    kl = np.concatenate([np.full(len(hn), li) for li, (hn, _) in enumerate(held)])
+    kn = np.concatenate([hn for hn, _ in held])
+    ke = np.concatenate([he for _, he in held])
+    count = np.concatenate([ref[hn, he] for ref, (hn, he) in zip(references, held)])
+    # Take out the anchor (at most one per layer, node, expert).
+    anchored = np.sort((layer_of * n + nodes) * num_experts + experts)
+    key = (kl * n + kn) * num_experts + ke
+    at = np.minimum(np.searchsorted(anchored, key), max(len(anchored) - 1, 0))
+    spare = count - (anchored[at] == key if len(anchored) else 0)
+    # Per expert: keep in node order while the count left after the anchors allows.
+    free = (replicas.ravel() - np.bincount(layer_of * num_experts + experts,
+                                           minlength=num_layers * num_experts))
+    order = np.lexsort((kn, ke, kl))
+    kept = np.zeros(len(spare), dtype=np.int64)
+    kept[order] = _take_in_turn(spare[order], (kl * num_experts + ke)[order],
+                                free[(kl * num_experts + ke)[order]])
+    # Per node (nonzero gives them in layer, node, expert order): what its slots allow.
+    room = (np.tile(capacity, num_layers) - np.bincount(layer_of * n + nodes,
+                                                        minlength=num_layers * n))
+    kept = _take_in_turn(kept, kl * n + kn, room[kl * n + kn])
+    keep = kept > 0
+    return kl[keep], kn[keep], ke[keep], kept[keep]
+
+
+def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """Within each run of equal ``group`` values, take ``amount`` in order until that
+    group's ``limit`` (given per element) is used up."""
+    total = np.cumsum(amount)
+    before = total - amount
+    first = np.ones(len(group), dtype=bool)
+    first[1:] = group[1:] != group[:-1]
+    start = before[np.maximum.accumulate(np.where(first, np.arange(len(group)), 0))]
+    return np.clip(limit - (before - start), 0, amount)
 
 
 def rank_loads(placement: Placement, weights: Sequence[float],

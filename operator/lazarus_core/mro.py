@@ -31,6 +31,8 @@ SCORED_FAILURES = 6
 # Largest cluster on which the paper's groupings, spread and compact are tried as
 # constructions and as a floor.
 GROUPED_NODES = 32
+# Failure counts that decide between keeping the surviving cores and a fresh structure.
+REPLAN_FAILURES = 2
 # Recovery probabilities this close at every failure count are equal for choosing between
 # replica counts and between fresh and repaired anchors: a failure model is not more
 # precise. On up to BITMAP_NODES nodes one failure set is worth more than this.
@@ -129,18 +131,22 @@ def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         return align(replicas, template, slots, weights, weights[probe], largest)
 
     # Aligning adds cores to the template's, so the template's counts stand for fresh
-    # anchors' until they are needed.
+    # anchors' until they are needed. A re-plan weighs recovery only at REPLAN_FAILURES:
+    # the next re-plan comes with the next loss, and a fresher structure that survives a few
+    # more sets of many simultaneous failures is not worth moving a quarter of the replicas.
     return _choose([
         (key, 0, lambda: balance_of(repaired[probe], probe, weights), lambda: repaired),
         (key, 1, lambda: balance_of(balance_within(repaired[probe], weights[probe], n), probe,
                                     weights), dealt),
         (cores_key(template, n, k), 2, lambda: balance_of(template, probe, weights), fresh),
-    ], n)()
+    ], n, REPLAN_FAILURES)()
 
 
-def _choose(options, num_nodes: int):
+def _choose(options, num_nodes: int, depth: int | None = None):
     """The option to take: (fatal counts, moves, balance, value); balance may be a function
-    that measures it, called in order of moving less and no further than needed."""
+    that measures it, called in order of moving less and no further than needed. Only the
+    first ``depth`` failure counts are compared, when given."""
+    options = [(o[0][:depth], *o[1:]) for o in options]
     best = min(o[0] for o in options)
     close = sorted((o for o in options if _within(o[0], best, num_nodes)), key=lambda o: o[1])
     scored = []
@@ -180,8 +186,10 @@ def largest_core(num_nodes: int) -> int:
 
 
 def best_anchors(replicas: Sequence[int], slots: Sequence[int],
-                 weights: Sequence[float]) -> LayerAnchors:
-    """One layer's recovery-best anchors: the best construction, then local search."""
+                 weights: Sequence[float], search: bool = True) -> LayerAnchors:
+    """One layer's recovery-best anchors: the best construction, then local search (without
+    ``search``, the construction alone: what benchmarks/bench_solver.py measures the
+    search against)."""
     num_experts = len(replicas)
     if num_experts <= min(slots):
         # Proven optimal: every expert nested on one prefix of the node order.
@@ -195,7 +203,7 @@ def best_anchors(replicas: Sequence[int], slots: Sequence[int],
         # Beyond GROUPED_NODES the paper's groupings, spread and compact never beat the
         # greedy construction in a sweep of 920 configurations (docs/placement.md), and
         # scoring each costs milliseconds.
-        return improve_anchors(greedy, slots, k)
+        return improve_anchors(greedy, slots, k) if search else greedy
     placements = [spread(replicas, slots), fill_anchors(greedy, slots)]
     for sizes in _group_sizes(num_experts, min(slots), len(slots)):
         for nested in sorted({1, 2, len(sizes) - 1, len(sizes)} & set(range(1, len(sizes) + 1))):
@@ -210,6 +218,8 @@ def best_anchors(replicas: Sequence[int], slots: Sequence[int],
     floor = [min(b[j] for b in baselines) for j in range(depth)]
     safe = [i for i, s in enumerate(scores) if all(a <= b for a, b in zip(s[:depth], floor))]
     ranked = sorted(safe or range(len(candidates)), key=lambda i: (scores[i][:depth], i == 0))
+    if not search:
+        return candidates[ranked[0]]
     if len(slots) > BITMAP_NODES:
         return improve_anchors(candidates[ranked[0]], slots, k, floor if safe else None)
     # Few nodes: swap whole replicas, from the best start and from the best grouping (the

@@ -9,7 +9,7 @@ import numpy as np
 from .allocation import allocate_replicas
 from .anchors import anchors_of, nodes_of
 from .migration import Migration, map_nodes_optimal, plan_transfers
-from .mro import mro, place_anchored, structure
+from .mro import largest_core, mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
 from .recovery import masks_of, recovery_table
@@ -124,7 +124,7 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
     """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
     ``ordered``, or 0 when a node of that core is gone."""
     anchors = anchors_of([layer.placement for layer in old.layers],
-                         [layer.replicas for layer in old.layers])
+                         [layer.replicas for layer in old.layers], largest_core(len(ordered)))
     position = {n.name: q for q, n in enumerate(ordered)}
     translate = {0: 0}
     for core in {c for a in anchors for c in a.cores} - {0}:
