@@ -9,12 +9,12 @@ survival ranks placements when node failures are independent and rare. A swap is
 if recovery also stays at or above ``floor`` at every failure count, so the result is never
 below its start nor below the baselines the caller names.
 
-On up to ``recovery.BITMAP_NODES`` nodes every swap that changes some expert's node set is
-tried, pass after pass, until none helps; ``tests/unit/test_exhaustive_placement.py`` checks
-that this reaches the exhaustive optimum on every small instance. On more nodes only the
-experts whose node sets are small enough to be fatal at the counts scored can matter, and
-only swaps that move them onto nodes other small sets already use can nest them; the
-search tries those, within ``max_evaluations``.
+``improve`` (for up to ``recovery.BITMAP_NODES`` nodes, where counting is cheap) tries every
+swap that changes some expert's node set, pass after pass, until none helps;
+``tests/unit/test_exhaustive_placement.py`` checks that this reaches the exhaustive optimum
+on every small instance. ``improve_anchors`` (for more nodes) moves single anchors between
+the cores already in use instead (``anchors.py``): only the experts anchored on cores small
+enough to be fatal at the counts scored can matter there.
 """
 from __future__ import annotations
 
@@ -22,26 +22,27 @@ from collections import Counter
 from collections.abc import Sequence
 
 from .anchors import LayerAnchors, nodes_of
-from .recovery import BITMAP_NODES, fatal_counts
+from .recovery import fatal_counts
 
 Placement = list[list[int]]
 
+# Swaps or anchor moves one search may try (a pass over every swap of the paper's testbed is
+# about 1,800).
 MAX_EVALUATIONS = 20_000
 # Set unions one count may form beyond BITMAP_NODES nodes (see recovery.fatal_counts).
 SCORING_BUDGET = 30_000
 
 
 def improve(layers: Sequence[Placement], max_failures: int,
-            floor: Sequence[int] | None = None,
-            max_evaluations: int | None = None,
-            budget: int = SCORING_BUDGET) -> list[Placement]:
+            floor: Sequence[int] | None = None) -> list[Placement]:
     """``layers`` with replicas swapped until no swap lowers the fatal counts (a copy).
+    Every swap is tried: meant for up to ``recovery.BITMAP_NODES`` nodes.
 
     ``floor`` caps the fatal counts for k = 1..max_failures that any accepted swap may
     reach (the baselines' counts, say); the start must respect it.
     """
-    search = _Search([[list(s) for s in p] for p in layers], max_failures, floor, budget)
-    search.run(MAX_EVALUATIONS if max_evaluations is None else max_evaluations)
+    search = _Search([[list(s) for s in p] for p in layers], max_failures, floor)
+    search.run(MAX_EVALUATIONS)
     return search.layers
 
 
@@ -50,14 +51,6 @@ def improve_anchors(anchors: LayerAnchors, slots: Sequence[int], max_failures: i
     """One layer's anchors after moving anchors between cores (for many nodes, where
     swapping every pair of replicas would cost too much)."""
     return _AnchorSearch(anchors, slots, max_failures, floor).run(MAX_EVALUATIONS)
-
-
-def counts_key(layers: Sequence[Placement], max_failures: int,
-               budget: int = SCORING_BUDGET) -> tuple[int, ...]:
-    """Fatal failure sets for k = 1..max_failures (lower is better), model-wide; shorter
-    when inclusion-exclusion would need more than ``budget`` set unions for some k."""
-    n = len(layers[0])
-    return tuple(fatal_counts(_masks(layers).values(), n, max_failures, budget))
 
 
 def _masks(layers: Sequence[Placement]) -> dict[tuple[int, int], int]:
@@ -70,8 +63,7 @@ def _masks(layers: Sequence[Placement]) -> dict[tuple[int, int], int]:
 
 
 class _Search:
-    def __init__(self, layers: list[Placement], max_failures: int, floor, budget: int):
-        self.budget = budget
+    def __init__(self, layers: list[Placement], max_failures: int, floor):
         self.layers = layers
         self.n = len(layers[0])
         self.k = min(max_failures, self.n - 1)
@@ -84,7 +76,7 @@ class _Search:
         self.evaluations = 0
 
     def _key(self) -> tuple[int, ...]:
-        return tuple(fatal_counts(self.uses.keys(), self.n, self.k, self.budget))
+        return tuple(fatal_counts(self.uses.keys(), self.n, self.k, SCORING_BUDGET))
 
     def _acceptable(self, key: tuple[int, ...]) -> bool:
         common = min(len(key), len(self.key))
@@ -104,23 +96,9 @@ class _Search:
 
     def _moves(self):
         """(layer, node a, expert x, node b, expert y): swap one x on a with one y on b."""
-        small = self.n <= BITMAP_NODES
-        for li, placement in enumerate(self.layers):
-            if small:
-                nodes = range(self.n)
-                movable = [sorted(self.copies[li][a]) for a in nodes]
-            else:
-                # Only experts on at most k nodes can be fatal at the counts scored; they
-                # can nest only onto nodes that other such experts already use.
-                fragile = {e for (l, e), m in self.masks.items()
-                           if l == li and m.bit_count() <= self.k}
-                used = 0
-                for (l, e), m in self.masks.items():
-                    if l == li and e in fragile:
-                        used |= m
-                nodes = [i for i in range(self.n) if used >> i & 1]
-                movable = [sorted(e for e in self.copies[li][a] if e in fragile)
-                           if used >> a & 1 else [] for a in range(self.n)]
+        nodes = range(self.n)
+        for li in range(len(self.layers)):
+            movable = [sorted(self.copies[li][a]) for a in nodes]
             for a in nodes:
                 for x in movable[a]:
                     for b in nodes:
