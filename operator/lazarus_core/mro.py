@@ -206,6 +206,8 @@ def best_anchors(replicas: Sequence[int], slots: Sequence[int],
         return improve_anchors(greedy, slots, k) if search else greedy
     placements = [spread(replicas, slots), fill_anchors(greedy, slots)]
     for sizes in _group_sizes(num_experts, min(slots), len(slots)):
+        if len(sizes) > len(slots):
+            continue  # each group needs a node of its own (a small node makes many groups)
         for nested in sorted({1, 2, len(sizes) - 1, len(sizes)} & set(range(1, len(sizes) + 1))):
             grouping = Grouping.build([replicas], slots, sizes, nested)
             placements.append(nested_groups(replicas, slots, grouping))
