@@ -36,7 +36,8 @@ def render(cfg: SimConfig, summaries: dict[str, Summary], trace_label: str) -> s
     widths = [max(len(r[i]) for r in [cols] + rows) for i in range(len(cols))]
     fmt = lambda r: "  ".join(v.ljust(w) if i == 0 else v.rjust(w)  # noqa: E731
                              for i, (v, w) in enumerate(zip(r, widths)))
-    events = [f"{TITLES[n]}: " + ", ".join(f"{k} {v:,.4g}" for k, v in s.counts.items())
+    events = [f"{TITLES[n]}: " + (", ".join(f"{k} {v:,.4g}" for k, v in s.counts.items())
+                                  or "nothing happened")
               for n, s in summaries.items()]
     return "\n".join([head, "", fmt(cols)] + [fmt(r) for r in rows]
                      + ["", "per run (mean): " + "; ".join(events)])
