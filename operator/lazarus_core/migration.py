@@ -117,9 +117,10 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
         holding.append((before & can_send[:, None]).T)  # [expert, node]
     wants = np.stack(needed, axis=1)  # [destination, layer, expert]
     dest, layer, expert = np.nonzero(wants)
-    group = layer * experts + expert
-    # Holders of every (layer, expert), as one flat list with offsets.
-    holds = np.concatenate(holding)  # [layer * experts + expert, node]
+    # The (layer, expert) groups something is wanted of, and their holders as one flat list
+    # with offsets (only theirs: most groups need nothing).
+    wanted, group = np.unique(layer * experts + expert, return_inverse=True)
+    holds = np.concatenate(holding)[wanted]  # [wanted group, node]
     count = holds.sum(axis=1)
     start = np.concatenate(([0], np.cumsum(count)[:-1]))
     holder_list = np.append(np.nonzero(holds)[1], -1)  # -1: a sentinel for lost groups
@@ -130,7 +131,7 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
     run_start = np.maximum.accumulate(np.where(firsts, np.arange(len(order)), 0))
     nth[order] = np.arange(len(order)) - run_start
     ok = count[group] > 0
-    turn = np.where(ok, (group + nth) % np.maximum(count[group], 1), 0)
+    turn = np.where(ok, (wanted[group] + nth) % np.maximum(count[group], 1), 0)
     src = np.where(ok, holder_list[np.where(ok, start[group] + turn, -1)], -1)
     new_names = [n.name for n in new.nodes]
     transfers = tuple(Transfer(int(l), int(e), names[s], new_names[d])
