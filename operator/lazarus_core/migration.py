@@ -9,7 +9,7 @@ spread so that no holder serves more than its share.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,24 +103,41 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
     (layer, expert) to the next, so every holder sends its share.
     """
     names = [n.name for n in old.nodes]
+    rows = [i for i, name in enumerate(names) if name in sources]
+    # [holder, expert] per layer, from the counts the plan keeps (no pass over its slots).
+    present = [layer.counts[rows] > 0 for layer in old.layers]
+    return _transfers([names[i] for i in rows], present, new)
+
+
+def transfers_for(held: Mapping[str, Sequence[set[int]]], new: Plan) -> Migration:
+    """Transfers that give every node of ``new`` the experts it lacks, from ``held``: what
+    each node able to send holds, per layer (listed and sourced as ``plan_transfers``)."""
+    names = list(held)
+    present = [np.zeros((len(names), new.experts), dtype=bool) for _ in new.layers]
+    for i, name in enumerate(names):
+        for li, experts in enumerate(held[name]):
+            present[li][i, list(experts)] = True
+    return _transfers(names, present, new)
+
+
+def _transfers(names: Sequence[str], present: Sequence[np.ndarray], new: Plan) -> Migration:
+    """The transfers from holders ``names`` (``present[l][holder, e]``: holds e in layer l)
+    to every node of ``new`` that lacks an expert its slots name."""
     row = {name: i for i, name in enumerate(names)}
-    can_send = np.array([name in sources for name in names])
-    # Destinations' rows in the old plan, where they are sources that held something.
-    had_row = np.array([row.get(n.name, -1) if n.name in sources else -1 for n in new.nodes])
-    experts = old.experts
-    needed, holding = [], []
-    for old_layer, new_layer in zip(old.layers, new.layers):
-        before = old_layer.counts > 0
-        after = new_layer.counts > 0
-        had = np.where((had_row >= 0)[:, None], before[np.maximum(had_row, 0)], False)
-        needed.append(after & ~had)
-        holding.append((before & can_send[:, None]).T)  # [expert, node]
+    # Destinations' rows among the holders (-1: none; what a holder has, it does not receive).
+    had_row = np.array([row.get(n.name, -1) for n in new.nodes], dtype=np.int64)
+    experts = new.experts
+    needed = []
+    for before, new_layer in zip(present, new.layers):
+        nothing = np.zeros((1, experts), dtype=bool)  # row -1: a destination holding nothing
+        had = np.concatenate((before, nothing))[had_row]
+        needed.append((new_layer.counts > 0) & ~had)
     wants = np.stack(needed, axis=1)  # [destination, layer, expert]
     dest, layer, expert = np.nonzero(wants)
     # The (layer, expert) groups something is wanted of, and their holders as one flat list
     # with offsets (only theirs: most groups need nothing).
     wanted, group = np.unique(layer * experts + expert, return_inverse=True)
-    holds = np.concatenate(holding)[wanted]  # [wanted group, node]
+    holds = np.concatenate([p.T for p in present])[wanted]  # [wanted group, holder]
     count = holds.sum(axis=1)
     start = np.concatenate(([0], np.cumsum(count)[:-1]))
     holder_list = np.append(np.nonzero(holds)[1], -1)  # -1: a sentinel for lost groups

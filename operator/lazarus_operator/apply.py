@@ -24,7 +24,7 @@ from lazarus_core.job_spec import JobSpec
 from . import builders, metrics
 from .kube_api import (create_owned, delete_pods, ignore_missing, post_event, rfc3339,
                        write_plan)
-from .observe import Observation
+from .observe import CoordinatorObservation, Observation
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,10 @@ class JobRecord:
 
 class Applier:
     def __init__(self, api: client.CoreV1Api, custom: client.CustomObjectsApi,
-                 clock: Callable[[], float], coordinator_port: int):
+                 policy: client.PolicyV1Api, clock: Callable[[], float], coordinator_port: int):
         self.core = api
         self.custom = custom
+        self.policy = policy
         self.clock = clock
         self.coordinator_port = coordinator_port
         # Pod creations and deletions fan out, and the pass waits for them; the generation
@@ -56,10 +57,12 @@ class Applier:
         self._background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lazarus-annotate")
 
     def apply(self, record: JobRecord, body: dict, spec: JobSpec, before: core.JobState,
-              outcome: core.Outcome, obs: Observation, started: float, timing: str) -> None:
+              outcome: core.Outcome, obs: Observation, coordinator: CoordinatorObservation,
+              started: float, timing: str) -> None:
         namespace = body["metadata"]["namespace"]
         state = outcome.state
-        self._ensure_job_objects(record, body, spec)
+        self._ensure_job_objects(record, body)
+        self._keep_coordinator(body, spec, state, coordinator)
         for d in outcome.decisions:
             if isinstance(d, core.PublishPlan):
                 self._publish(record, body, d, state.draining, obs, started, timing)
@@ -174,20 +177,43 @@ class Applier:
             surplus = sorted(obs.starting, key=_index)[-excess:]
             delete_pods(self.core, self._batch, [(p, False) for p in surplus], namespace)
 
-    def _ensure_job_objects(self, record: JobRecord, body: dict, spec: JobSpec) -> None:
-        """The workers' Service, and the coordinator's pod and Service: created once per job
-        ("already exists" after an operator restart is the normal case)."""
+    def _ensure_job_objects(self, record: JobRecord, body: dict) -> None:
+        """The workers' Service, the coordinator's Service and disruption budget, and the
+        job's state ConfigMap: created once per job ("already exists" after an operator
+        restart is the normal case)."""
         if record.objects_ready:
             return
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        port = self.coordinator_port
         create_owned(body, self.core.create_namespaced_service,
                      builders.build_workers_service(name, namespace))
         create_owned(body, self.core.create_namespaced_service,
-                     builders.build_coordinator_service(name, namespace, port))
-        create_owned(body, self.core.create_namespaced_pod,
-                     builders.build_coordinator_pod(name, namespace, spec, port))
+                     builders.build_coordinator_service(name, namespace, self.coordinator_port))
+        create_owned(body, self.policy.create_namespaced_pod_disruption_budget,
+                     builders.build_coordinator_pdb(name, namespace))
+        create_owned(body, self.core.create_namespaced_config_map,
+                     builders.build_state_configmap(name, namespace))
         record.objects_ready = True
+
+    def _keep_coordinator(self, body: dict, spec: JobSpec, state: core.JobState,
+                          coordinator: CoordinatorObservation) -> None:
+        """One coordinator lives while the job trains: a dead one (its process exited, its
+        pod was deleted, its node is gone) is cleaned up and the next incarnation started;
+        it carries on from the job's state ConfigMap and what the workers hold."""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        if coordinator.finished or state.finished:
+            return  # the job is done: its pods stay, with their logs
+        delete_pods(self.core, self._batch, coordinator.doomed, namespace)
+        if coordinator.alive:
+            return
+        create_owned(body, self.core.create_namespaced_pod, builders.build_coordinator_pod(
+            name, namespace, spec, coordinator.next_index, self.coordinator_port))
+        if coordinator.next_index > 0:
+            metrics.COORDINATOR_REPLACEMENTS.labels(namespace, name).inc()
+            self.event(body, "CoordinatorReplaced",
+                       f"the coordinator is gone; started incarnation "
+                       f"{coordinator.next_index}, which carries on from the job's state and "
+                       f"what the workers hold", "Warning",
+                       f"coordinator.{coordinator.next_index}")
 
     # --- status --------------------------------------------------------------------------
 

@@ -8,6 +8,14 @@ gradients, says ``prepared``, and applies the optimizer step only once the coord
 written the commit. The coordinator commits step s of generation g only when every rank of
 g prepared it, and never after it published a newer generation. So either every survivor
 applies step s or none does, and no optimizer step is ever applied twice or half-way.
+
+The coordinator can die too. Its store is then gone: every channel call raises
+``CoordinatorLost``, the workers keep what they hold in memory, reconnect to its
+replacement and say hello again with what they hold (``Hello``). The replacement decides
+from those reports alone, so it needs no memory of its predecessor's store. Apart from the
+training loop, each worker beats (``Beat``) from a thread of its own, and a survivor whose
+collective failed says so (``peer_failed``): that is how the coordinator finds a worker that
+vanished or hangs without waiting for Kubernetes (``lazarus_core.liveness``).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
 from lazarus_core.handover import Handover
+from lazarus_core.liveness import Beat
 from lazarus_core.plan import Plan, Transfer
 
 _PREFIX = "lazarus/"
@@ -25,6 +34,26 @@ _PREFIX = "lazarus/"
 
 class ChannelTimeout(RuntimeError):
     """The coordinator did not answer within the bound."""
+
+
+class CoordinatorLost(Exception):
+    """The coordinator's store stopped answering: it died, or its pod is being replaced.
+
+    Not a RuntimeError on purpose: the worker's handlers for failed collectives (which are
+    RuntimeErrors) must never mistake it for a peer's failure."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a worker holds when it (re)joins: a replacement coordinator decides from this."""
+    # A new one per process, so a worker that came back on the same node is told apart.
+    incarnation: str
+    committed: int = 0  # the last step it applied
+    # A step it computed whose commit it never saw (the coordinator died in between): it
+    # can apply it if its peers did.
+    prepared: int | None = None
+    # The experts it holds per layer; None: no state at all (a fresh process).
+    holdings: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,12 +72,16 @@ class Directive:
     # Plan nodes that hold no state yet, and the survivor that sends them the dense state.
     joiners: tuple[str, ...] = ()
     dense_source: str | None = None
+    # Set by a replacement coordinator when the one before it committed this step and died
+    # before every worker saw the commit: whoever still holds it prepared applies it first.
+    roll_forward: int | None = None
 
     @classmethod
     def of(cls, plan: Plan, handover: Handover) -> "Directive":
         return cls(plan, start_step=handover.start_step, transfers=handover.transfers,
                    draining=handover.draining, restore_step=handover.restore_step,
-                   joiners=handover.joiners, dense_source=handover.dense_source)
+                   joiners=handover.joiners, dense_source=handover.dense_source,
+                   roll_forward=handover.roll_forward)
 
     @property
     def generation(self) -> int:
@@ -70,6 +103,7 @@ class Directive:
             "restore_step": self.restore_step,
             "joiners": list(self.joiners),
             "dense_source": self.dense_source,
+            "roll_forward": self.roll_forward,
         })
 
     @classmethod
@@ -78,7 +112,8 @@ class Directive:
         return cls(plan=Plan.from_dict(d["plan"]), start_step=d["start_step"],
                    transfers=tuple(Transfer(**t) for t in d["transfers"]),
                    draining=tuple(d["draining"]), restore_step=d["restore_step"],
-                   joiners=tuple(d["joiners"]), dense_source=d["dense_source"])
+                   joiners=tuple(d["joiners"]), dense_source=d["dense_source"],
+                   roll_forward=d["roll_forward"])
 
 
 @dataclass(frozen=True)
@@ -93,23 +128,34 @@ class StepReport:
 
 
 class JobChannel:
-    def __init__(self, store: dist.Store, poll_s: float = 0.002):
+    def __init__(self, store: dist.Store, poll_s: float = 0.002,
+                 on_poll: Callable[[], None] = lambda: None):
         self.store = store
         self.poll_s = poll_s
+        # Called at every turn of a wait: the worker's training loop is alive while it waits.
+        self.on_poll = on_poll
 
     # --- keys ----------------------------------------------------------------------------
+    # Every store access goes through these four, so a dead coordinator surfaces as one
+    # exception, whatever the call.
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+            raise CoordinatorLost(f"the coordinator's store stopped answering ({e})") from e
 
     def _has(self, key: str) -> bool:
-        return self.store.check([_PREFIX + key])
+        return self._call(self.store.check, [_PREFIX + key])
 
     def _get(self, key: str) -> str:
-        return self.store.get(_PREFIX + key).decode()
+        return self._call(self.store.get, _PREFIX + key).decode()
 
     def _set(self, key: str, value: str) -> None:
-        self.store.set(_PREFIX + key, value)
+        self._call(self.store.set, _PREFIX + key, value)
 
     def _add(self, key: str, amount: int) -> int:
-        return self.store.add(_PREFIX + key, amount)
+        return self._call(self.store.add, _PREFIX + key, amount)
 
     # --- plans ---------------------------------------------------------------------------
 
@@ -167,6 +213,7 @@ class JobChannel:
         key = f"commit/{generation}/{step}"
         deadline = time.monotonic() + timeout_s
         while True:
+            self.on_poll()
             if self._has(key):
                 return int(self._get(key))
             if self.latest() > generation:
@@ -200,13 +247,42 @@ class JobChannel:
                              interrupted=lambda: self.latest() > generation)
         return ok or self._has(key)
 
-    # --- membership and checkpoints --------------------------------------------------------
+    # --- membership, liveness and checkpoints ---------------------------------------------
 
-    def hello(self, node: str) -> None:
-        self._set(f"hello/{node}", "1")
+    def hello(self, node: str, hello: Hello) -> None:
+        self._set(f"hello/{node}", json.dumps(asdict(hello)))
 
     def said_hello(self, node: str) -> bool:
         return self._has(f"hello/{node}")
+
+    def hello_of(self, node: str) -> Hello | None:
+        if not self.said_hello(node):
+            return None
+        d = json.loads(self._get(f"hello/{node}"))
+        holdings = d["holdings"]
+        return Hello(d["incarnation"], d["committed"], d["prepared"],
+                     tuple(map(tuple, holdings)) if holdings is not None else None)
+
+    def beat(self, node: str, beat: Beat) -> None:
+        self._set(f"beat/{node}", json.dumps(asdict(beat)))
+
+    def beats(self, nodes: list[str]) -> dict[str, Beat]:
+        """The latest heartbeat of each of ``nodes`` that has one."""
+        if not nodes:
+            return {}
+        keys = [f"beat/{n}" for n in nodes]
+        present = [k for k in keys if self._has(k)]
+        values = (self._call(self.store.multi_get, [_PREFIX + k for k in present])
+                  if present else [])
+        return {k.removeprefix("beat/"): Beat(**json.loads(v.decode()))
+                for k, v in zip(present, values)}
+
+    def peer_failed(self, generation: int) -> None:
+        """A collective of ``generation`` failed because a peer went away."""
+        self._add(f"failed/{generation}", 1)
+
+    def failures(self, generation: int) -> int:
+        return self._add(f"failed/{generation}", 0)
 
     def report_timings(self, generation: int, rank: int, timings: dict[str, float]) -> None:
         self._set(f"timings/{generation}/{rank}", json.dumps(timings))
@@ -236,6 +312,7 @@ class JobChannel:
         """Poll ``ready``; False if ``interrupted`` first; ChannelTimeout past the bound."""
         deadline = time.monotonic() + timeout_s
         while not ready():
+            self.on_poll()
             if interrupted():
                 return False
             if time.monotonic() > deadline:
