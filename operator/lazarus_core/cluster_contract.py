@@ -42,8 +42,13 @@ def state_configmap_name(job: str) -> str:
 
 def plan_configmap_data(plan: Plan, draining: Iterable[str] = ()) -> dict[str, str]:
     """The published plan, and the nodes out of it whose workers still hold experts to
-    send (spot notice)."""
-    return {PLAN_KEY: plan.to_json(), DRAINING_KEY: json.dumps(sorted(draining))}
+    send (spot notice).
+
+    The plan goes compressed (``Plan.to_compact_json``): a plan for thousands of GPUs is
+    megabytes of JSON, and a ConfigMap holds at most 1 MiB. ``read_plan_configmap`` (and
+    ``Plan.from_json``) read it back.
+    """
+    return {PLAN_KEY: plan.to_compact_json(), DRAINING_KEY: json.dumps(sorted(draining))}
 
 
 def read_plan_configmap(data: Mapping[str, str]) -> tuple[Plan, frozenset[str]]:

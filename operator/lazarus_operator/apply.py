@@ -7,6 +7,7 @@ retried, or run again by an operator that restarted half-way, does no harm.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,9 @@ from .kube_api import (create_owned, delete_pods, ignore_missing, post_event, rf
 from .observe import CoordinatorObservation, Observation
 
 log = logging.getLogger(__name__)
+
+# How long a published plan stands before its pods get its generation annotation.
+ANNOTATE_AFTER_S = 2.0
 
 
 @dataclass
@@ -125,10 +129,13 @@ class Applier:
                    d.message, "Normal", f"g{plan.generation}.published")
         # The ConfigMap is the plan; the pod annotation lets `kubectl get pods` show which
         # generation each worker was last told about. It is informational, so it fans out
-        # in the background: hundreds of pod patches must not delay the next re-plan.
+        # in the background, and only once the plan has stood for ANNOTATE_AFTER_S: a
+        # thousand pod patches cost seconds of this process's CPU, and during a reclaim
+        # they held back the watch events and the re-plan of the nodes lost next.
         record.published = plan.generation
         patch = {"metadata": {"annotations": {
             builders.GENERATION_ANNOTATION: str(plan.generation)}}}
+        pods = [obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on]
 
         def annotate(pod: str) -> None:
             if record.published != plan.generation:
@@ -138,8 +145,14 @@ class Applier:
             except ApiException as e:
                 log.warning("could not annotate %s/%s: %s", namespace, pod, e.reason)
 
-        for pod in (obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on):
-            self._background.submit(annotate, pod)
+        def fan_out() -> None:
+            if record.published == plan.generation:
+                for pod in pods:
+                    self._background.submit(annotate, pod)
+
+        timer = threading.Timer(ANNOTATE_AFTER_S, fan_out)
+        timer.daemon = True
+        timer.start()
 
     def _report_measured(self, body: dict, before: core.JobState,
                          state: core.JobState) -> None:
