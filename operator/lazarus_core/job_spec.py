@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .checkpoint_location import KEEP_DEFAULT, KEEP_MAX, KEEP_MIN, path_problem
 from .plan import POLICIES
 
 API_VERSION = "lazarus.dev/v1alpha1"
@@ -41,10 +42,12 @@ DEFAULTS = {
     "rebalanceEverySteps": 200,
     "rebalanceMinGainPercent": 10,
     "checkpointEverySteps": 50,
+    "checkpointKeep": KEEP_DEFAULT,
 }
 
 _GPU_RESOURCE = "nvidia.com/gpu"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class SpecError(ValueError):
 class CheckpointSpec:
     path: str
     every_steps: int
+    # Complete checkpoints kept; older ones are deleted.
+    keep: int = KEEP_DEFAULT
+    # A Secret in the job's namespace whose keys become the workers' environment: the
+    # storage credentials (AWS_ACCESS_KEY_ID, ..., or fsspec's FSSPEC_GCS), never in the spec.
+    secret_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -214,15 +222,23 @@ def _checkpoint(p: "_Reader", ck: object) -> CheckpointSpec | None:
         p.bad("spec.checkpoint", "InvalidCheckpoint", "must be an object with path and everySteps")
         return None
     path = ck.get("path")
-    # Workers on different nodes restore the same checkpoint, so it must be an absolute path
-    # on a shared volume or an object-store URL.
-    if not isinstance(path, str) or not (path.startswith("/") or re.match(r"^[a-z0-9]+://", path)):
-        p.bad("spec.checkpoint.path", "InvalidCheckpoint",
-              f"must be an absolute path on a shared volume or a URL such as s3://bucket/job, "
-              f"got {path!r}")
+    # Workers on different nodes restore the same checkpoint: a shared volume or an object
+    # store, in a scheme the workers can open.
+    if (problem := path_problem(path)) is not None:
+        p.bad("spec.checkpoint.path", "InvalidCheckpoint", problem)
     every = p.integer(ck, "spec.checkpoint", "everySteps", DEFAULTS["checkpointEverySteps"],
                       minimum=1)
-    return CheckpointSpec(path if isinstance(path, str) else "", every)
+    keep = p.integer(ck, "spec.checkpoint", "keep", DEFAULTS["checkpointKeep"],
+                     minimum=KEEP_MIN)
+    if keep is not None and keep > KEEP_MAX:
+        p.bad("spec.checkpoint.keep", "InvalidField", f"must be <= {KEEP_MAX}, got {keep}")
+    secret = ck.get("secretName")
+    if secret is not None and not (isinstance(secret, str) and len(secret) <= 253
+                                   and _DNS_SUBDOMAIN.match(secret)):
+        p.bad("spec.checkpoint.secretName", "InvalidCheckpoint",
+              f"must name a Secret in the job's namespace (a DNS subdomain), got {secret!r}")
+    return CheckpointSpec(path if isinstance(path, str) else "", every, keep or KEEP_DEFAULT,
+                          secret if isinstance(secret, str) else None)
 
 
 def _taints(p: "_Reader", taints: object) -> tuple[str, ...]:

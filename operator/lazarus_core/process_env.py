@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .checkpoint_location import KEEP_DEFAULT
 from .job_spec import JobSpec
 
 # --- a worker -----------------------------------------------------------------------------
@@ -19,6 +20,10 @@ NODE_NAME = "LAZARUS_NODE_NAME"  # the node it runs on: plans name nodes
 RUNTIME = "LAZARUS_RUNTIME"  # spec.runtime as JSON
 CHECKPOINT_PATH = "LAZARUS_CHECKPOINT_PATH"
 CHECKPOINT_EVERY_STEPS = "LAZARUS_CHECKPOINT_EVERY_STEPS"
+CHECKPOINT_KEEP = "LAZARUS_CHECKPOINT_KEEP"
+# The job's UID: its checkpoints live under <checkpoint path>/<uid>, apart from any other
+# job's (unset: the checkpoint path is this run's own folder, as `lazarus run` makes one).
+JOB_UID = "LAZARUS_JOB_UID"
 # Knobs a user may set through spec.template.env.
 COLLECTIVE_TIMEOUT_S = "LAZARUS_COLLECTIVE_TIMEOUT_S"
 RECONNECT_S = "LAZARUS_RECONNECT_S"  # how long to look for a replacement coordinator
@@ -58,6 +63,8 @@ class WorkerEnv:
     runtime: dict
     checkpoint_path: str | None = None
     checkpoint_every_steps: int = 0
+    checkpoint_keep: int = KEEP_DEFAULT
+    job_uid: str | None = None
     collective_timeout_s: float = 60.0
     reconnect_s: float = 120.0
     log_level: str = "WARNING"
@@ -73,7 +80,7 @@ class WorkerEnv:
 
 
 def worker_env(spec: JobSpec, coordinator: str, node: str | None = None,
-               checkpoint_path: str | None = None) -> dict[str, str]:
+               checkpoint_path: str | None = None, job_uid: str | None = None) -> dict[str, str]:
     """What a worker of ``spec`` is started with. ``node`` None leaves NODE_NAME to the
     caller (a pod takes it from the downward API); ``checkpoint_path`` overrides
     ``spec.checkpoint.path``."""
@@ -81,10 +88,20 @@ def worker_env(spec: JobSpec, coordinator: str, node: str | None = None,
            GPUS_PER_NODE: str(spec.gpus_per_node)}
     if node is not None:
         env[NODE_NAME] = node
+    env |= _checkpoint_env(spec, checkpoint_path, job_uid)
+    if spec.checkpoint and env.get(CHECKPOINT_PATH):
+        env[CHECKPOINT_EVERY_STEPS] = str(spec.checkpoint.every_steps)
+        env[CHECKPOINT_KEEP] = str(spec.checkpoint.keep)
+    return env
+
+
+def _checkpoint_env(spec: JobSpec, checkpoint_path: str | None,
+                    job_uid: str | None) -> dict[str, str]:
+    """Where the job's checkpoints are: what the workers write and the coordinator reads."""
     path = checkpoint_path or (spec.checkpoint.path if spec.checkpoint else None)
-    if path:
-        env[CHECKPOINT_PATH] = path
-        env[CHECKPOINT_EVERY_STEPS] = str(spec.checkpoint.every_steps if spec.checkpoint else 0)
+    env = {CHECKPOINT_PATH: path} if path else {}
+    if path and job_uid:
+        env[JOB_UID] = job_uid
     return env
 
 
@@ -98,6 +115,8 @@ def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
             coordinator=environ[COORDINATOR], node=environ[NODE_NAME], runtime=runtime,
             checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
             checkpoint_every_steps=int(environ.get(CHECKPOINT_EVERY_STEPS) or 0),
+            checkpoint_keep=int(environ.get(CHECKPOINT_KEEP) or KEEP_DEFAULT),
+            job_uid=environ.get(JOB_UID) or None,
             collective_timeout_s=float(environ.get(COLLECTIVE_TIMEOUT_S) or 60),
             reconnect_s=float(environ.get(RECONNECT_S) or 120),
             log_level=environ.get(LOG_LEVEL) or "WARNING",
@@ -167,14 +186,18 @@ class CoordinatorEnv:
     port: int
     steps: int | None = None
     log_level: str = "WARNING"
+    # Where the workers' checkpoints are: the coordinator picks the one to restore.
+    checkpoint_path: str | None = None
+    job_uid: str | None = None
 
 
 def coordinator_env(job: str, namespace: str, plan_configmap: str, state_configmap: str,
-                    port: int, steps: int | None) -> dict[str, str]:
+                    port: int, spec: JobSpec, job_uid: str | None) -> dict[str, str]:
     env = {JOB: job, NAMESPACE: namespace, PLAN_CONFIGMAP: plan_configmap,
-           STATE_CONFIGMAP: state_configmap, COORDINATOR_PORT: str(port)}
-    if steps is not None:
-        env[STEPS] = str(steps)
+           STATE_CONFIGMAP: state_configmap,
+           COORDINATOR_PORT: str(port)} | _checkpoint_env(spec, None, job_uid)
+    if spec.steps is not None:
+        env[STEPS] = str(spec.steps)
     return env
 
 
@@ -187,7 +210,9 @@ def read_coordinator_env(environ: Mapping[str, str]) -> CoordinatorEnv:
             plan_configmap=environ[PLAN_CONFIGMAP], state_configmap=environ[STATE_CONFIGMAP],
             port=int(environ[COORDINATOR_PORT]),
             steps=int(environ[STEPS]) if environ.get(STEPS) else None,
-            log_level=environ.get(LOG_LEVEL) or "WARNING")
+            log_level=environ.get(LOG_LEVEL) or "WARNING",
+            checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
+            job_uid=environ.get(JOB_UID) or None)
     except ValueError as e:
         raise EnvError(f"malformed coordinator environment: {e}") from None
 

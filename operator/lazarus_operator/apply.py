@@ -7,10 +7,11 @@ retried, or run again by an operator that restarted half-way, does no harm.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kopf
 from kubernetes import client
@@ -27,6 +28,9 @@ from .observe import CoordinatorObservation, Observation
 
 log = logging.getLogger(__name__)
 
+# How long a published plan stands before its pods get its generation annotation.
+ANNOTATE_AFTER_S = 2.0
+
 
 @dataclass
 class JobRecord:
@@ -37,6 +41,14 @@ class JobRecord:
     plan_version: str | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
     published: int = 0
+    # Failed worker pods (uids) already told to the controller, so each counts once.
+    failures_seen: set[str] = field(default_factory=set)
+
+    def new_failures(self, obs: Observation) -> list[core.WorkerFailed]:
+        fresh = [(uid, node, why) for uid, node, why in obs.failed
+                 if uid not in self.failures_seen]
+        self.failures_seen.update(uid for uid, _, _ in fresh)
+        return [core.WorkerFailed(node, why) for _, node, why in fresh]
 
 
 class Applier:
@@ -71,6 +83,12 @@ class Applier:
                 self.event(body, d.reason, d.message, "Warning",
                            f"g{generation}.{d.reason.lower()}")
         self._report_measured(body, before, state)
+        self._report_checkpoint_health(body, before, state)
+        if state.start_failures > before.start_failures:
+            self.event(body, "WorkerStartFailed",
+                       f"a worker failed before completing a step ({state.start_error}); "
+                       f"the next one starts after a backoff", "Warning",
+                       f"start-failed.{state.start_failures}")
         if not state.finished:  # a finished job's pods stay, with their logs
             delete_pods(self.core, self._batch, obs.doomed, namespace)
         self._right_size(body, spec, state, obs)
@@ -111,10 +129,13 @@ class Applier:
                    d.message, "Normal", f"g{plan.generation}.published")
         # The ConfigMap is the plan; the pod annotation lets `kubectl get pods` show which
         # generation each worker was last told about. It is informational, so it fans out
-        # in the background: hundreds of pod patches must not delay the next re-plan.
+        # in the background, and only once the plan has stood for ANNOTATE_AFTER_S: a
+        # thousand pod patches cost seconds of this process's CPU, and during a reclaim
+        # they held back the watch events and the re-plan of the nodes lost next.
         record.published = plan.generation
         patch = {"metadata": {"annotations": {
             builders.GENERATION_ANNOTATION: str(plan.generation)}}}
+        pods = [obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on]
 
         def annotate(pod: str) -> None:
             if record.published != plan.generation:
@@ -124,8 +145,14 @@ class Applier:
             except ApiException as e:
                 log.warning("could not annotate %s/%s: %s", namespace, pod, e.reason)
 
-        for pod in (obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on):
-            self._background.submit(annotate, pod)
+        def fan_out() -> None:
+            if record.published == plan.generation:
+                for pod in pods:
+                    self._background.submit(annotate, pod)
+
+        timer = threading.Timer(ANNOTATE_AFTER_S, fan_out)
+        timer.daemon = True
+        timer.start()
 
     def _report_measured(self, body: dict, before: core.JobState,
                          state: core.JobState) -> None:
@@ -143,6 +170,27 @@ class Applier:
                        f"every replica; the workers restored the checkpoint of step "
                        f"{state.restored_step}", "Warning", f"g{g}.restore")
 
+    def _report_checkpoint_health(self, body: dict, before: core.JobState,
+                                  state: core.JobState) -> None:
+        """A metric for every checkpoint the workers skipped, and an Event when checkpoints
+        start failing and when they are written again."""
+        labels = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if state.spec.checkpoint is None:
+            return
+        metrics.CHECKPOINT_HEALTHY.labels(*labels).set(state.checkpoint_error is None)
+        skipped = state.checkpoint_failures - before.checkpoint_failures
+        if skipped > 0:
+            metrics.CHECKPOINT_WRITE_FAILURES.labels(*labels).inc(skipped)
+        if state.checkpoint_error is not None and before.checkpoint_error is None:
+            self.event(body, "CheckpointWriteFailed",
+                       f"{state.checkpoint_error}; training goes on", "Warning",
+                       f"checkpoint-failed.{state.checkpoint_failures}")
+        elif state.checkpoint_error is None and before.checkpoint_error is not None:
+            self.event(body, "CheckpointWritten",
+                       f"checkpoints are written again (step {state.checkpoint_step}) after "
+                       f"{state.checkpoint_failures} were skipped", "Normal",
+                       f"checkpoint-healed.{state.checkpoint_failures}")
+
     def _right_size(self, body: dict, spec: JobSpec, state: core.JobState,
                     obs: Observation) -> None:
         """Create the workers the target still lacks; drop starting ones beyond it."""
@@ -150,11 +198,12 @@ class Applier:
         if state.finished:  # nothing will train on the pods still starting
             delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
             return
-        missing = state.missing_workers(len(obs.starting))
+        missing = state.missing_workers(len(obs.starting), self.clock())
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6) if i not in obs.used_indices)
+        uid = body["metadata"]["uid"]
         pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
-                                          self.coordinator_port)
+                                          self.coordinator_port, job_uid=uid)
                 for _ in range(missing)]
         list(self._batch.map(
             lambda pod: create_owned(body, self.core.create_namespaced_pod, pod), pods))
@@ -193,7 +242,8 @@ class Applier:
         if coordinator.alive:
             return
         create_owned(body, self.core.create_namespaced_pod, builders.build_coordinator_pod(
-            name, namespace, spec, coordinator.next_index, self.coordinator_port))
+            name, namespace, spec, coordinator.next_index, self.coordinator_port,
+            job_uid=body["metadata"]["uid"]))
         if coordinator.next_index > 0:
             metrics.COORDINATOR_REPLACEMENTS.labels(namespace, name).inc()
             self.event(body, "CoordinatorReplaced",

@@ -40,6 +40,7 @@ from lazarus_core.cluster_contract import (read_plan_configmap, read_state_confi
 from lazarus_core.controller import STALLED, Progress
 from lazarus_core.plan import Plan, PlanError
 
+from .checkpoint import Checkpoints
 from .coordination import PreparedStep, StepCoordinator
 from .job_channel import JobChannel
 
@@ -185,14 +186,16 @@ class StateReporter:
 
 class ClusterCoordinator:
     def __init__(self, chan: JobChannel, plans: PlanFollower, state: StateReporter,
-                 total_steps: int | None = None, record: Progress | None = None):
-        """``record``: the durable record a predecessor left, None on the job's first."""
+                 total_steps: int | None = None, record: Progress | None = None,
+                 checkpoints: Checkpoints | None = None):
+        """``record``: the durable record a predecessor left, None on the job's first;
+        ``checkpoints``: the job's checkpoints, to choose the one to restore."""
         self.chan = chan
         self.total_steps = total_steps
         self.plans = plans
         self.state = state
         self.record = record
-        self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line))
+        self.steps = StepCoordinator(chan, lambda line: emit("info", message=line), checkpoints)
         self.pending: Published | None = None  # the newest plan, not published yet
         self.seen = 0
         self.started = time.monotonic()
@@ -354,7 +357,9 @@ def main() -> int:
     store = _serve_store(env.port)
     coordinator = ClusterCoordinator(JobChannel(store),
                                      PlanFollower(core, env.namespace, env.plan_configmap).start(),
-                                     state.start(), env.steps, record)
+                                     state.start(), env.steps, record,
+                                     Checkpoints.open(env.checkpoint_path, env.job_uid)
+                                     if env.checkpoint_path else None)
     terminated = threading.Event()
 
     def on_sigterm(*_):

@@ -325,6 +325,20 @@ class JobChannel:
     def checkpoint_count(self, generation: int, step: int) -> int:
         return self._add(f"ckpt/{generation}/{step}", 0)
 
+    def report_checkpoint(self, step: int, error: str | None) -> None:
+        """How the checkpoint of ``step`` went (rank 0, for all ranks): ``error`` says why
+        it was skipped, None that it was written."""
+        self._set("checkpoint_health", json.dumps({"step": step, "error": error}))
+        if error is not None:
+            self._add("checkpoint_failures", 1)
+
+    def checkpoint_health(self) -> tuple[str | None, int]:
+        """(why the latest checkpoint was skipped, or None if it was written or none was
+        due yet; checkpoints skipped so far)."""
+        latest = (json.loads(self._get("checkpoint_health"))["error"]
+                  if self._has("checkpoint_health") else None)
+        return latest, self._add("checkpoint_failures", 0)
+
     def set_checkpoint(self, step: int) -> None:
         self._set("checkpoint", str(step))
 

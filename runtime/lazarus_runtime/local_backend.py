@@ -32,6 +32,7 @@ from lazarus_core.plan import member_device, member_name, member_node
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.topology import NodeSpec
 
+from .checkpoint import Checkpoints
 from .coordination import PreparedStep, StepCoordinator
 from .data import StepBatches
 from .devices import share_machine, visible_gpus
@@ -71,7 +72,7 @@ class LocalJob:
 
     def __init__(self, name: str, spec: JobSpec, workers: int, steps: int,
                  kills: Sequence[Fault] = (), joins: Sequence[tuple[int, int]] = (),
-                 checkpoint_dir: Path | None = None, seed: int = 0,
+                 checkpoint_dir: Path | str | None = None, seed: int = 0,
                  on_event: Callable[[str], None] = lambda line: None,
                  on_progress: Callable[[dict], None] = lambda status: None,
                  worker_env: dict[str, str] | None = None, timeout_s: float = 600.0,
@@ -209,7 +210,9 @@ class LocalJob:
     def run(self) -> RunResult:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.chan = JobChannel(self.store)
-        self.steps_done = StepCoordinator(self.chan, self.on_event)
+        self.steps_done = StepCoordinator(
+            self.chan, self.on_event,
+            Checkpoints.open(str(self.checkpoint_dir), None) if self.checkpoint_dir else None)
         start = time.monotonic()
         try:
             for i in range(self.workers):

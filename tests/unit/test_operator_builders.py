@@ -19,7 +19,8 @@ from lazarus_operator.observe import (NodeInfo, observe_coordinator,  # noqa: E4
 SPEC = parse_spec({
     "runtime": {"model": "tiny", "experts": 4, "layers": 2},
     "minNodes": 2, "maxNodes": 4, "gpusPerNode": 2, "slotsPerGpu": 2,
-    "checkpoint": {"path": "/ckpt", "everySteps": 10},
+    "checkpoint": {"path": "s3://bucket/ckpt", "everySteps": 10, "keep": 4,
+                   "secretName": "ckpt-creds"},
     "spotNoticeTaints": [{"key": "karpenter.sh/disrupted"}],
     "coordinator": {"nodeSelector": {"pool": "cpu"}},
     "template": {"image": "img:1", "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
@@ -32,7 +33,7 @@ SPEC = parse_spec({
 
 
 def test_worker_pod_carries_the_plan_location_and_secure_defaults():
-    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7)
+    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7, job_uid="uid-1")
     assert pod["metadata"]["name"] == "j-worker-3"
     assert pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "7"
     c = pod["spec"]["containers"][0]
@@ -46,7 +47,11 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     worker = penv.read_worker_env(seen)
     assert worker.coordinator_address == ("j-coordinator.ns.svc", 29400)
     assert (worker.node, worker.runtime["model"]) == ("node-7", "tiny")
-    assert (worker.checkpoint_path, worker.checkpoint_every_steps) == ("/ckpt", 10)
+    assert (worker.checkpoint_path, worker.checkpoint_every_steps, worker.checkpoint_keep,
+            worker.job_uid) == ("s3://bucket/ckpt", 10, 4, "uid-1")
+    # Credentials come from the Secret the spec names, never as values in the manifest.
+    assert c["envFrom"] == [{"secretRef": {"name": "ckpt-creds"}}]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert pod["metadata"]["labels"]["team"] == "moe"  # the template's labels ride along,
     assert pod["metadata"]["labels"]["lazarus.dev/role"] == "worker"  # never over ours
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
@@ -60,7 +65,7 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
 
 
 def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_it():
-    pod = builders.build_coordinator_pod("j", "ns", SPEC, index=3, port=1234)
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, index=3, port=1234, job_uid="uid-1")
     svc = builders.build_coordinator_service("j", "ns", port=1234)
     c = pod["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in c["env"]}
@@ -70,6 +75,9 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert (coordinator.job, coordinator.plan_configmap, coordinator.state_configmap,
             coordinator.port) == ("j", "j-plan", "j-state", 1234)
     assert coordinator.steps is None  # trains until deleted
+    # It chooses the checkpoint to restore, so it reads the job's checkpoints too.
+    assert (coordinator.checkpoint_path, coordinator.job_uid) == ("s3://bucket/ckpt", "uid-1")
+    assert c["envFrom"] == [{"secretRef": {"name": "ckpt-creds"}}]
     assert env["EXTRA"] == "1"
     # spec.coordinator places it; none of the workers' GPU request, selector or tolerations.
     assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["spec"]["tolerations"] == []
@@ -88,14 +96,15 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert pod["metadata"]["labels"]["team"] == "moe"
     selected = svc["spec"]["selector"]
     assert all(pod["metadata"]["labels"][k] == v for k, v in selected.items())
-    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1)
+    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1, job_uid="uid-1")
     assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
     assert svc["spec"]["ports"][0]["port"] == 1234
     finite = builders.build_coordinator_pod("j", "ns", parse_spec(
         {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
-         "slotsPerGpu": 4, "steps": 300}))
+         "slotsPerGpu": 4, "steps": 300}), job_uid="uid-1")
     assert penv.read_coordinator_env({e["name"]: e["value"] for e in finite["spec"][
         "containers"][0]["env"]}).steps == 300
+    assert "envFrom" not in finite["spec"]["containers"][0]  # no checkpoints, no Secret
 
 
 def test_a_process_started_without_its_environment_is_told_what_is_missing():
