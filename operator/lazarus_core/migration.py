@@ -172,21 +172,26 @@ def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]]) -> tu
     except KeyError:
         return node.devices  # new to the plan: it holds nothing yet
     before = old.nodes[i]
-    # [rank or GPU, layer, expert]: what each rank of the position needs, each GPU holds.
-    need = np.zeros((node.gpus, len(slots), old.experts), dtype=bool)
-    held = np.zeros((len(before.devices), len(old.layers), old.experts), dtype=bool)
-    for li, (wanted, layer) in enumerate(zip(slots, old.layers)):
-        need[np.arange(node.gpus)[:, None], li,
-             np.asarray(wanted).reshape(node.gpus, node.slots_per_gpu)] = True
-        held[np.arange(len(before.devices))[:, None], li,
-             np.asarray(layer.placement[i]).reshape(len(before.devices),
-                                                    before.slots_per_rank)] = True
-    from scipy.optimize import linear_sum_assignment  # lazily, as in map_nodes_optimal
-
+    layers, experts = len(old.layers), old.experts
+    # [layer, rank or GPU, slot]: what each rank of the position needs, each GPU held.
+    wanted = np.asarray(slots).reshape(layers, node.gpus, node.slots_per_gpu)
+    had = np.asarray([layer.placement[i] for layer in old.layers]).reshape(
+        layers, len(before.devices), before.slots_per_rank)
+    if before.devices == node.devices and np.array_equal(wanted, had):
+        return node.devices  # the common case after a re-plan: every GPU keeps its ranks'
+    need = np.zeros((node.gpus, layers, experts), dtype=np.int32)
+    need[np.arange(node.gpus)[None, :, None], np.arange(layers)[:, None, None], wanted] = 1
+    held = np.zeros((len(before.devices), layers, experts), dtype=np.int32)
+    held[np.arange(len(before.devices))[None, :, None], np.arange(layers)[:, None, None],
+         had] = 1
+    kept = need.reshape(node.gpus, -1) @ held.reshape(len(before.devices), -1).T
     row = {d: k for k, d in enumerate(before.devices)}
     gain = np.zeros((node.gpus, node.gpus), dtype=np.int64)
     for column, d in enumerate(node.devices):
         if d in row:
-            gain[:, column] = (need & held[row[d]]).sum(axis=(1, 2))
+            gain[:, column] = kept[:, row[d]]
+
+    from scipy.optimize import linear_sum_assignment  # lazily, as in map_nodes_optimal
+
     ranks, columns = linear_sum_assignment(-gain)
     return tuple(node.devices[c] for _, c in sorted(zip(ranks, columns)))

@@ -134,6 +134,9 @@ def test_ranks_stay_on_the_gpus_that_hold_what_they_need():
     node = NodeSpec("a", gpus=2, slots_per_gpu=1)
     # The position wants expert 1 on its first rank and 0 on its second: GPU 1, then GPU 0.
     assert map_devices(old, node, [[1, 0]]) == (1, 0)
+    assert map_devices(old, node, [[0, 1]]) == (0, 1)  # unchanged: each GPU keeps its rank
+    swapped = _gpu_plan([[0, 1], [2, 2]], devices=(1, 0))  # GPU 1 held expert 0
+    assert map_devices(swapped, node, [[0, 1]]) == (1, 0)
     # After GPU 0 failed, the node's one rank runs on GPU 1, whatever the position wants.
     assert map_devices(old, node.without_gpus({0}), [[0]]) == (1,)
     assert map_devices(old, NodeSpec("new", gpus=2), [[0, 1]]) == (0, 1)  # held nothing
