@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .anchors import LayerAnchors, anchored_replicas
 from .plan import Plan, Transfer, replica_counts
 from .topology import NodeSpec
 
@@ -58,8 +59,9 @@ def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement])
 
 
 def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.ndarray:
-    return np.array([[a.zone == b.zone and a.slots == b.slots for b in positions]
-                     for a in nodes], dtype=bool)
+    shape = [(b.zone, b.slots, b.gpus) for b in positions]
+    return np.array([[(a.zone, a.slots, a.gpus) == s for s in shape] for a in nodes],
+                    dtype=bool)
 
 
 def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],
@@ -76,6 +78,41 @@ def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[
     for r, c in zip(rows, cols):
         mapping[c] = r
     return mapping
+
+
+def map_anchors_optimal(anchors: Sequence[LayerAnchors], ordered: Sequence[NodeSpec],
+                        references: Sequence[np.ndarray]) -> list[NodeSpec]:
+    """``ordered`` with its nodes reassigned to positions so that the anchors land on the
+    nodes that hold those experts already, as many as possible.
+
+    A fresh structure is built on positions without regard to what nodes hold; any
+    assignment of nodes of the same zone and shape to its positions recovers and balances
+    exactly alike, and this one moves least (``references[l][position, e]``: what the node at
+    each position holds now).
+    """
+    from scipy.optimize import linear_sum_assignment  # see map_nodes_optimal
+
+    n, experts = len(ordered), len(anchors[0].cores)
+    rows = anchored_replicas(anchors)  # (layer, position, expert)
+    held_layer, held_at, held_expert = np.nonzero(np.stack(references) > 0)
+    # Pair every anchor with every holder of its (layer, expert): gain[holder, position].
+    anchor_key = rows[:, 0] * experts + rows[:, 2]
+    held_key = held_layer * experts + held_expert
+    order = np.argsort(held_key, kind="stable")
+    held_key, held_at = held_key[order], held_at[order]
+    first = np.searchsorted(held_key, anchor_key)
+    count = np.searchsorted(held_key, anchor_key, side="right") - first
+    anchor = np.repeat(np.arange(len(rows)), count)
+    nth = np.arange(len(anchor)) - np.repeat(np.cumsum(count) - count, count)
+    holder = held_at[first[anchor] + nth]
+    gain = np.bincount(holder * n + rows[anchor, 1], minlength=n * n).reshape(n, n)
+    nodes, positions = linear_sum_assignment(
+        np.where(_compatible(ordered, ordered), -gain, _FORBIDDEN))
+    out = list(ordered)
+    for i, q in zip(nodes.tolist(), positions.tolist()):
+        out[q] = ordered[i]
+    return out
+
 
 
 def map_nodes_greedy(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],
