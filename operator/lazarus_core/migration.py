@@ -59,9 +59,16 @@ def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement])
 
 
 def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.ndarray:
-    shape = [(b.zone, b.slots, b.gpus) for b in positions]
-    return np.array([[(a.zone, a.slots, a.gpus) == s for s in shape] for a in nodes],
-                    dtype=bool)
+    a, b = _shapes(nodes, positions)
+    return a[:, None] == b[None, :]
+
+
+def _shapes(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]):
+    """One code per node and per position: equal codes may play each other (zone, slots,
+    GPUs)."""
+    codes: dict = {}
+    return tuple(np.array([codes.setdefault((n.zone, n.slots, n.gpus), len(codes)) for n in side],
+                          dtype=np.int64) for side in (nodes, positions))
 
 
 def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],
@@ -106,11 +113,13 @@ def map_anchors_optimal(anchors: Sequence[LayerAnchors], ordered: Sequence[NodeS
     nth = np.arange(len(anchor)) - np.repeat(np.cumsum(count) - count, count)
     holder = held_at[first[anchor] + nth]
     gain = np.bincount(holder * n + rows[anchor, 1], minlength=n * n).reshape(n, n)
-    nodes, positions = linear_sum_assignment(
-        np.where(_compatible(ordered, ordered), -gain, _FORBIDDEN))
+    shape = _shapes(ordered, ordered)[0]
     out = list(ordered)
-    for i, q in zip(nodes.tolist(), positions.tolist()):
-        out[q] = ordered[i]
+    for code in np.unique(shape).tolist():  # one assignment per shape: nodes of a shape
+        members = np.flatnonzero(shape == code)
+        nodes, positions = linear_sum_assignment(-gain[np.ix_(members, members)])
+        for i, q in zip(members[nodes].tolist(), members[positions].tolist()):
+            out[q] = ordered[i]
     return out
 
 
