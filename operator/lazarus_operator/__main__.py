@@ -6,8 +6,6 @@ import logging
 import random
 
 import kopf
-import scipy.optimize  # noqa: F401  (re-plans assign nodes with it; lazarus_core imports it
-# lazily to keep the command line fast, which would put 0.2 s into the first re-plan here)
 from prometheus_client import start_http_server
 
 from . import handlers  # noqa: F401  (registers the kopf handlers)
