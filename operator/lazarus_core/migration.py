@@ -87,18 +87,18 @@ def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[
     return mapping
 
 
-def map_anchors_optimal(anchors: Sequence[LayerAnchors], ordered: Sequence[NodeSpec],
-                        references: Sequence[np.ndarray]) -> list[NodeSpec]:
+def map_anchors(anchors: Sequence[LayerAnchors], ordered: Sequence[NodeSpec],
+                references: Sequence[np.ndarray]) -> list[NodeSpec]:
     """``ordered`` with its nodes reassigned to positions so that the anchors land on the
-    nodes that hold those experts already, as many as possible.
+    nodes that hold those experts already.
 
     A fresh structure is built on positions without regard to what nodes hold; any
     assignment of nodes of the same zone and shape to its positions recovers and balances
-    exactly alike, and this one moves least (``references[l][position, e]``: what the node at
-    each position holds now).
+    exactly alike. Greedily, the (node, position) pair that keeps the most anchors first
+    (``references[l][position, e]``: what the node at each position holds now). Not the
+    optimal assignment: scipy's would cost the operator 38 MiB, and on the paper's setting
+    the greedy one moves as little (docs/placement.md).
     """
-    from scipy.optimize import linear_sum_assignment  # see map_nodes_optimal
-
     n, experts = len(ordered), len(anchors[0].cores)
     rows = anchored_replicas(anchors)  # (layer, position, expert)
     held_layer, held_at, held_expert = np.nonzero(np.stack(references) > 0)
@@ -113,15 +113,23 @@ def map_anchors_optimal(anchors: Sequence[LayerAnchors], ordered: Sequence[NodeS
     nth = np.arange(len(anchor)) - np.repeat(np.cumsum(count) - count, count)
     holder = held_at[first[anchor] + nth]
     gain = np.bincount(holder * n + rows[anchor, 1], minlength=n * n).reshape(n, n)
-    shape = _shapes(ordered, ordered)[0]
-    out = list(ordered)
-    for code in np.unique(shape).tolist():  # one assignment per shape: nodes of a shape
-        members = np.flatnonzero(shape == code)
-        nodes, positions = linear_sum_assignment(-gain[np.ix_(members, members)])
-        for i, q in zip(members[nodes].tolist(), members[positions].tolist()):
-            out[q] = ordered[i]
-    return out
-
+    gain[~_compatible(ordered, ordered)] = 0
+    node_of = [-1] * n
+    placed = [False] * n
+    pairs = np.flatnonzero(gain)
+    for flat in pairs[np.argsort(-gain.ravel()[pairs], kind="stable")].tolist():
+        i, q = divmod(flat, n)
+        if not placed[i] and node_of[q] < 0:
+            node_of[q], placed[i] = i, True
+    shape = _shapes(ordered, ordered)[0].tolist()
+    left: dict[int, list[int]] = {}
+    for i in range(n):
+        if not placed[i]:
+            left.setdefault(shape[i], []).append(i)
+    for q in range(n):
+        if node_of[q] < 0:
+            node_of[q] = left[shape[q]].pop(0)
+    return [ordered[i] for i in node_of]
 
 
 def map_nodes_greedy(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],

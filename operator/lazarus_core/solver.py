@@ -8,7 +8,7 @@ import numpy as np
 
 from .allocation import allocate_replicas
 from .anchors import anchors_of, nodes_of
-from .migration import Migration, map_anchors_optimal, map_nodes_optimal, plan_transfers
+from .migration import Migration, map_anchors, map_nodes_optimal, plan_transfers
 from .mro import largest_core, mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
@@ -175,7 +175,7 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         references = _references(old, ordered, sources)
         holders = [masks_of(ref.T > 0) for ref in references]
         anchors = structure(replicas, slots, loads, gpus, surviving_cores(old, ordered), holders)
-        ordered = map_anchors_optimal(anchors, ordered, references)
+        ordered = map_anchors(anchors, ordered, references)
         references = _references(old, ordered, sources)
         replicas = [list(a.replicas) for a in anchors]
         weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
