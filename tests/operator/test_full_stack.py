@@ -55,7 +55,7 @@ FROZEN_TARGET_S = 15
 NODE_MONITOR_GRACE_S = 40
 
 
-def job_manifest(name: str, namespace: str, checkpoint: Path, image: str | None = None,
+def job_manifest(name: str, namespace: str, checkpoint_path: Path, image: str | None = None,
                  **spec) -> dict:
     """examples/tiny-cpu.yaml on this test's scratch nodes, its pods run by the local kubelet;
     with ``image``, from that image, the checkpoints on a hostPath volume all workers share."""
@@ -63,7 +63,7 @@ def job_manifest(name: str, namespace: str, checkpoint: Path, image: str | None 
     doc["metadata"]["name"] = name
     doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace}, image=image)
     doc["spec"] |= {"rebalanceEverySteps": 0,
-                    "checkpoint": {"path": str(checkpoint), "everySteps": 5}} | spec
+                    "checkpoint": {"path": str(checkpoint_path), "everySteps": 5}} | spec
     template = doc["spec"]["template"]
     # A dead peer is noticed through the plan long before this; it only bounds a collective
     # whose peer froze.
@@ -71,8 +71,8 @@ def job_manifest(name: str, namespace: str, checkpoint: Path, image: str | None 
                        {"name": "LAZARUS_LOG_LEVEL", "value": "INFO"}]
     if image:
         template["volumes"] = [{"name": "checkpoints", "hostPath": {
-            "path": str(checkpoint), "type": "DirectoryOrCreate"}}]
-        template["volumeMounts"] = [{"name": "checkpoints", "mountPath": str(checkpoint)}]
+            "path": str(checkpoint_path), "type": "DirectoryOrCreate"}}]
+        template["volumeMounts"] = [{"name": "checkpoints", "mountPath": str(checkpoint_path)}]
     return doc
 
 
