@@ -233,12 +233,16 @@ def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]]) -> tu
         layers, len(before.devices), before.slots_per_rank)
     if before.devices == node.devices and np.array_equal(wanted, had):
         return node.devices  # the common case after a re-plan: every GPU keeps its ranks'
-    need = np.zeros((node.gpus, layers, experts), dtype=np.int32)
-    need[np.arange(node.gpus)[None, :, None], np.arange(layers)[:, None, None], wanted] = 1
-    held = np.zeros((len(before.devices), layers, experts), dtype=np.int32)
-    held[np.arange(len(before.devices))[None, :, None], np.arange(layers)[:, None, None],
-         had] = 1
-    kept = need.reshape(node.gpus, -1) @ held.reshape(len(before.devices), -1).T
+    # Each (layer, expert) as one code; a rank's codes sorted, each counted once.
+    code = (np.arange(layers) * experts)[:, None, None]
+    needs = (wanted + code).transpose(1, 0, 2).reshape(node.gpus, -1)
+    needs.sort(axis=1)
+    first = np.ones(needs.shape, dtype=bool)
+    first[:, 1:] = needs[:, 1:] != needs[:, :-1]
+    holds = np.zeros((len(before.devices), layers * experts), dtype=bool)
+    holds[np.arange(len(before.devices))[:, None],
+          (had + code).transpose(1, 0, 2).reshape(len(before.devices), -1)] = True
+    kept = (holds[:, needs] & first).sum(axis=2).T  # [rank, GPU held before]
     row = {d: k for k, d in enumerate(before.devices)}
     gain = np.zeros((node.gpus, node.gpus), dtype=np.int64)
     for column, d in enumerate(node.devices):
