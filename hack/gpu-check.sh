@@ -3,7 +3,7 @@
 # and print one table of the results. It uses the Python that already has torch (python3,
 # or $PYTHON); it builds no venv and fetches nothing, so it runs on a bare GPU box.
 #
-#   hack/gpu-check.sh                  # at most 12 minutes on one H200, likely 6-8
+#   hack/gpu-check.sh                  # at most 14 minutes on one H200, likely 7-9
 #   GPU_CHECK_OUT=/some/dir hack/gpu-check.sh   # keep the logs and JSON there
 #
 # Needs torch with CUDA, triton, pytest (with pytest-timeout), numpy, scipy and pyyaml.
@@ -19,12 +19,16 @@ export PYTHONUNBUFFERED=1
 "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || die "no CUDA device visible to $py's torch; this check needs a GPU"
 
-# The tests that run on CUDA: the gpu-marked ones, and the kernel tests (on CUDA they run
-# the compiled Triton kernels instead of the interpreter).
-gpu_tests=(tests/runtime/test_gpu_step.py tests/runtime/test_dispatch_kernels.py)
+# The tests that run on CUDA: the gpu-marked ones (the step; the elastic runtime: NCCL,
+# checkpoints on the device, ranks sharing the GPU, a killed rank), and the kernel tests (on
+# CUDA they run the compiled Triton kernels instead of the interpreter). The elastic tests
+# write the figures they measure to LAZARUS_GPU_FIGURES.
+gpu_tests=(tests/runtime/test_gpu_step.py tests/runtime/test_gpu_elastic.py
+           tests/runtime/test_dispatch_kernels.py)
+export LAZARUS_GPU_FIGURES="$out/figures.json"
 
 log "GPU tests"
-timeout 240 "$py" -m pytest -p no:cacheprovider -q -rfEs "${gpu_tests[@]}" \
+timeout 360 "$py" -m pytest -p no:cacheprovider -q -rfEs "${gpu_tests[@]}" \
   2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
@@ -49,6 +53,9 @@ rows = []
 summary = re.findall(r"^=*\s*(.*(?:passed|failed|error|skipped).*?)\s*=*$",
                      (out / "tests.log").read_text(), re.M)
 rows.append(("GPU tests", summary[-1] if summary else "did not finish (see tests.log)"))
+if (out / "figures.json").exists():
+    for what, figures in json.loads((out / "figures.json").read_text()).items():
+        rows.append((what, ", ".join(f"{k} {v}" for k, v in figures.items())))
 if (out / "kernels.json").exists():
     for r in json.loads((out / "kernels.json").read_text()):
         if r["impl"] == "triton":

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from lazarus_core.job_spec import SpecError, parse_manifest
+from lazarus_core.plan import member_name
 
 
 def register(sub) -> None:
@@ -22,7 +23,8 @@ def register(sub) -> None:
                    help="training steps to complete (default: spec.steps, else 30)")
     p.add_argument("--kill", default="",
                    help="failures to inject: STEP:COUNT[,STEP:COUNT...] SIGKILLs COUNT random "
-                        "workers as STEP begins; STEP:worker-1+worker-2 names them")
+                        "workers (nodes) as STEP begins; STEP:worker-1+worker-2 names them, "
+                        "STEP:worker-1/0 one rank (its GPU) of a node")
     p.add_argument("--join", default="",
                    help="growth: STEP:COUNT[,...] starts COUNT more workers before STEP")
     p.add_argument("--seed", type=int, default=0, help="chooses which workers --kill hits")
@@ -82,11 +84,13 @@ def run(args) -> int:
     kills, joins = parse_kills(args.kill), parse_joins(args.join)
     if any(f.step > args.steps for f in kills):
         raise ValueError(f"--kill: every STEP must be <= --steps ({args.steps})")
-    known = {f"worker-{i}" for i in range(workers + sum(c for _, c in joins))}
+    nodes = [f"worker-{i}" for i in range(workers + sum(c for _, c in joins))]
+    known = set(nodes) | {member_name(n, d) for n in nodes for d in range(spec.gpus_per_node)}
     unknown = sorted({n for f in kills for n in f.names} - known)
     if unknown:
         raise ValueError(f"--kill: no worker named {', '.join(unknown)}; workers are "
-                         f"worker-0 .. worker-{len(known) - 1}")
+                         f"worker-0 .. worker-{len(nodes) - 1}, and their ranks worker-N/0 .. "
+                         f"worker-N/{spec.gpus_per_node - 1}")
 
     from lazarus_core.runtime_config import RuntimeConfig
     from lazarus_runtime.local_backend import LocalJob

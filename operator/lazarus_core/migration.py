@@ -4,8 +4,11 @@ The new plan's positions are interchangeable as far as recovery goes, so physica
 be matched to them freely (within the same zone and slot count). We choose the matching
 that keeps the most expert replicas where they already are: a linear assignment problem,
 solved exactly (the paper's greedy mapping is kept as the baseline we measure against).
-Every replica a node still lacks becomes one transfer from a surviving holder, with sources
-spread so that no holder serves more than its share.
+Within a node, each rank of the position goes to the GPU that already holds most of what
+that rank needs (``map_devices``). Every replica a node still lacks becomes one transfer from
+a surviving holder, with sources spread so that no holder serves more than its share; run on
+the plans' per-rank views (``Plan.by_rank``), the same planning moves replicas between the
+GPUs of one node too.
 """
 from __future__ import annotations
 
@@ -210,3 +213,43 @@ def _transfers(names: Sequence[str], present: Sequence[np.ndarray], new: Plan) -
                                             src.tolist()) if s >= 0)
     lost = sorted({(int(l), int(e)) for l, e in zip(layer[~ok].tolist(), expert[~ok].tolist())})
     return Migration(transfers, tuple(lost))
+
+
+def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Which of ``node``'s GPUs runs each rank of a plan position, in rank order: the
+    assignment that keeps the most replicas on the GPU that held them under ``old``.
+    ``slots``: per layer, the position's slots (``node.slots_per_gpu`` per rank)."""
+    if node.gpus == 1:
+        return node.devices
+    try:
+        i = old.node_index(node.name)
+    except KeyError:
+        return node.devices  # new to the plan: it holds nothing yet
+    before = old.nodes[i]
+    layers, experts = len(old.layers), old.experts
+    # [layer, rank or GPU, slot]: what each rank of the position needs, each GPU held.
+    wanted = np.asarray(slots).reshape(layers, node.gpus, node.slots_per_gpu)
+    had = np.asarray([layer.placement[i] for layer in old.layers]).reshape(
+        layers, len(before.devices), before.slots_per_rank)
+    if before.devices == node.devices and np.array_equal(wanted, had):
+        return node.devices  # the common case after a re-plan: every GPU keeps its ranks'
+    # Each (layer, expert) as one code; a rank's codes sorted, each counted once.
+    code = (np.arange(layers) * experts)[:, None, None]
+    needs = (wanted + code).transpose(1, 0, 2).reshape(node.gpus, -1)
+    needs.sort(axis=1)
+    first = np.ones(needs.shape, dtype=bool)
+    first[:, 1:] = needs[:, 1:] != needs[:, :-1]
+    holds = np.zeros((len(before.devices), layers * experts), dtype=bool)
+    holds[np.arange(len(before.devices))[:, None],
+          (had + code).transpose(1, 0, 2).reshape(len(before.devices), -1)] = True
+    kept = (holds[:, needs] & first).sum(axis=2).T  # [rank, GPU held before]
+    row = {d: k for k, d in enumerate(before.devices)}
+    gain = np.zeros((node.gpus, node.gpus), dtype=np.int64)
+    for column, d in enumerate(node.devices):
+        if d in row:
+            gain[:, column] = kept[:, row[d]]
+
+    from scipy.optimize import linear_sum_assignment  # lazily, as in map_nodes_optimal
+
+    ranks, columns = linear_sum_assignment(-gain)
+    return tuple(node.devices[c] for _, c in sorted(zip(ranks, columns)))

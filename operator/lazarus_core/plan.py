@@ -10,11 +10,14 @@ JSON envelope ({"version", "encoding": "zlib+base64", "data"}), because a plan f
 of GPUs (3.7 MiB of JSON at 4,096) must fit one API object (1 MiB). ``from_json`` reads both.
 
 Node order is rank order: node i owns the ranks in ``nodes[i].ranks`` and its slots are
-``placement[i]``. Slot s of a node belongs to its rank ``ranks[s // slots_per_rank]``.
+``placement[i]``. Slot s of a node belongs to its rank ``ranks[s // slots_per_rank]``, which
+the node's GPU ``devices[s // slots_per_rank]`` runs: one rank process per GPU, named by
+``member_name(node, device)``. A node's devices are 0..n-1 until it loses a GPU.
 """
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import zlib
 from collections.abc import Sequence
@@ -51,10 +54,40 @@ class PlanNode:
     ranks: tuple[int, ...]
     slots_per_rank: int
     zone: str = ""
+    # The node's GPUs (its agent's local ranks) that run ``ranks``, in the same order; by
+    # default 0..len(ranks)-1.
+    devices: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.devices:
+            object.__setattr__(self, "devices", tuple(range(len(self.ranks))))
 
     @property
     def slots(self) -> int:
         return len(self.ranks) * self.slots_per_rank
+
+    def members(self) -> tuple[str, ...]:
+        """The names of the rank processes that run this node's ranks, in rank order."""
+        return tuple(member_name(self.name, d) for d in self.devices)
+
+
+def member_name(node: str, device: int) -> str:
+    """The name of one rank process: its node, and the GPU of the node it runs on (its local
+    rank). Node names never hold a "/" (Kubernetes names are DNS subdomains)."""
+    return f"{node}/{device}"
+
+
+def member_node(member: str) -> str:
+    """The node a rank process (``member_name``) runs on."""
+    return member.rsplit("/", 1)[0]
+
+
+def member_device(member: str) -> int:
+    """The GPU of its node a rank process (``member_name``) runs on."""
+    node, _, device = member.rpartition("/")
+    if not node or not device.isdigit():
+        raise ValueError(f"{member!r} names no rank process (NODE/GPU)")
+    return int(device)
 
 
 @dataclass(frozen=True)
@@ -113,6 +146,28 @@ class Plan:
                 return slots[i * c:(i + 1) * c]
         raise KeyError(f"rank {rank} is not in plan generation {self.generation}")
 
+    def members(self) -> dict[str, int]:
+        """Every rank process of the plan (``member_name``) with its rank, in rank order."""
+        out = {m: r for n in self.nodes for m, r in zip(n.members(), n.ranks)}
+        return dict(sorted(out.items(), key=lambda item: item[1]))
+
+    def by_rank(self) -> "Plan":
+        """The same placement seen one rank at a time: a node per rank process, named by
+        ``member_name``, holding that rank's slots. Migration planning runs on this view,
+        so a replica that a node holds on one GPU but needs on another also moves."""
+        nodes, layers = [], [[] for _ in self.layers]
+        for i, node in enumerate(self.nodes):
+            c = node.slots_per_rank
+            for j, (member, rank) in enumerate(zip(node.members(), node.ranks)):
+                nodes.append(PlanNode(member, (rank,), c, node.zone))
+                for li, layer in enumerate(self.layers):
+                    layers[li].append(layer.placement[i][j * c:(j + 1) * c])
+        order = sorted(range(len(nodes)), key=lambda k: nodes[k].ranks[0])
+        return dataclasses.replace(
+            self, nodes=tuple(nodes[k] for k in order),
+            layers=tuple(LayerPlan(l.replicas, tuple(placed[k] for k in order))
+                         for l, placed in zip(self.layers, layers)))
+
     def node_index(self, name: str) -> int:
         for i, node in enumerate(self.nodes):
             if node.name == name:
@@ -132,7 +187,8 @@ class Plan:
             "reason": self.reason,
             "recovery": dict(self.recovery),
             "nodes": [{"name": n.name, "ranks": list(n.ranks),
-                       "slots_per_rank": n.slots_per_rank, "zone": n.zone} for n in self.nodes],
+                       "slots_per_rank": n.slots_per_rank, "zone": n.zone,
+                       "devices": list(n.devices)} for n in self.nodes],
             "layers": [{"replicas": list(l.replicas), "placement": list(map(list, l.placement))}
                        for l in self.layers],
         }
@@ -165,6 +221,7 @@ class Plan:
                     ranks=tuple(n["ranks"]),
                     slots_per_rank=n["slots_per_rank"],
                     zone=n.get("zone", ""),
+                    devices=tuple(n.get("devices", ())),
                 )
                 for n in d["nodes"]
             ),
@@ -247,6 +304,10 @@ def _shape_violations(d) -> list[str]:
                 v.append(f"nodes[{i}].ranks: must be a list of integers")
             if not isinstance(n.get("slots_per_rank"), int):
                 v.append(f"nodes[{i}].slots_per_rank: must be an integer")
+            if not isinstance(n.get("devices", []), list) or not all(
+                isinstance(d, int) for d in n.get("devices", [])
+            ):
+                v.append(f"nodes[{i}].devices: must be a list of integers")
     layers = d.get("layers")
     if not isinstance(layers, list):
         v.append("layers: must be a list")
@@ -285,6 +346,12 @@ def violations(plan: Plan) -> list[str]:
             v.append(f"nodes[{i}].ranks: a node must host at least one rank")
         if n.slots_per_rank < 1:
             v.append(f"nodes[{i}].slots_per_rank: must be >= 1")
+        if len(n.devices) != len(n.ranks) or len(set(n.devices)) != len(n.devices) or (
+                n.devices and min(n.devices) < 0):
+            v.append(f"nodes[{i}].devices: needs one distinct GPU index >= 0 per rank "
+                     f"({len(n.ranks)})")
+        if "/" in n.name:
+            v.append(f"nodes[{i}].name: must not contain '/'")
     if not plan.layers:
         v.append("layers: must not be empty")
     node_slots = np.array([n.slots for n in plan.nodes], dtype=np.int64)

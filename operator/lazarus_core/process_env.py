@@ -1,7 +1,8 @@
 """The environment a worker and a coordinator start with: one contract, in one module.
 
-The operator's pod builders and the local backend write it; the worker and the coordinator
-read it. Nothing else spells a ``LAZARUS_*`` name: every side takes the names and the
+The operator's pod builders and the local backend write it; the node agent reads it and
+adds what each of its rank processes needs (``rank_env``); the workers (the ranks) and the
+coordinator read it. Nothing else spells a ``LAZARUS_*`` name: every side takes the names and the
 encoding from here, so the two ends cannot drift apart.
 """
 from __future__ import annotations
@@ -34,7 +35,17 @@ NAMESPACE = "LAZARUS_NAMESPACE"
 POD_NAME = "LAZARUS_POD_NAME"
 PLAN_CONFIGMAP = "LAZARUS_PLAN_CONFIGMAP"
 WORKERS_SERVICE = "LAZARUS_WORKERS_SERVICE"
-GPUS_PER_NODE = "LAZARUS_GPUS_PER_NODE"
+# --- the node agent, and the rank processes it starts ----------------------------------------
+GPUS_PER_NODE = "LAZARUS_GPUS_PER_NODE"  # rank processes a node agent starts
+# The job's collective backend. The local backend sets it for its agents, since only it sees
+# that ranks of different nodes share a GPU; a pod's agent decides from its own GPUs.
+BACKEND = "LAZARUS_BACKEND"
+LOCAL_RANK = "LAZARUS_LOCAL_RANK"  # which of its node's ranks a process is
+DEVICE = "LAZARUS_DEVICE"  # where a rank computes: cpu, or cuda (it sees only its own GPU)
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # CUDA's own: which GPUs a process sees
+GLOO, NCCL = "gloo", "nccl"
+BACKENDS = (GLOO, NCCL)
+DEVICES = ("cpu", "cuda")
 # --- the coordinator (besides JOB, NAMESPACE and PLAN_CONFIGMAP) ------------------------------
 COORDINATOR_PORT = "LAZARUS_COORDINATOR_PORT"
 STATE_CONFIGMAP = "LAZARUS_STATE_CONFIGMAP"  # its progress and durable record
@@ -58,11 +69,14 @@ class WorkerEnv:
     reconnect_s: float = 120.0
     log_level: str = "WARNING"
     threads: int = 1
+    # Set by the node agent for each rank; a worker started alone is rank 0 on the CPU.
+    local_rank: int = 0
+    device: str = "cpu"
+    backend: str = GLOO
 
     @property
     def coordinator_address(self) -> tuple[str, int]:
-        host, port = self.coordinator.rsplit(":", 1)
-        return host, int(port)
+        return _host_port(self.coordinator)
 
 
 def worker_env(spec: JobSpec, coordinator: str, node: str | None = None,
@@ -70,7 +84,8 @@ def worker_env(spec: JobSpec, coordinator: str, node: str | None = None,
     """What a worker of ``spec`` is started with. ``node`` None leaves NODE_NAME to the
     caller (a pod takes it from the downward API); ``checkpoint_path`` overrides
     ``spec.checkpoint.path``."""
-    env = {COORDINATOR: coordinator, RUNTIME: json.dumps(dict(spec.runtime), sort_keys=True)}
+    env = {COORDINATOR: coordinator, RUNTIME: json.dumps(dict(spec.runtime), sort_keys=True),
+           GPUS_PER_NODE: str(spec.gpus_per_node)}
     if node is not None:
         env[NODE_NAME] = node
     env |= _checkpoint_env(spec, checkpoint_path, job_uid)
@@ -105,9 +120,61 @@ def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
             collective_timeout_s=float(environ.get(COLLECTIVE_TIMEOUT_S) or 60),
             reconnect_s=float(environ.get(RECONNECT_S) or 120),
             log_level=environ.get(LOG_LEVEL) or "WARNING",
-            threads=int(environ.get(THREADS) or 1))
+            threads=int(environ.get(THREADS) or 1),
+            local_rank=int(environ.get(LOCAL_RANK) or 0),
+            device=_one_of(environ, DEVICE, DEVICES, "cpu"),
+            backend=_one_of(environ, BACKEND, BACKENDS, GLOO))
     except ValueError as e:
         raise EnvError(f"malformed worker environment: {e}") from None
+
+
+@dataclass(frozen=True)
+class AgentEnv:
+    node: str
+    coordinator: str
+    ranks: int
+    # None: the agent chooses from the GPUs it sees (``devices.collective_backend``).
+    backend: str | None = None
+    # The GPUs the agent may use, as CUDA_VISIBLE_DEVICES lists them; None: all it sees.
+    visible_gpus: str | None = None
+
+    @property
+    def coordinator_address(self) -> tuple[str, int]:
+        return _host_port(self.coordinator)
+
+
+def read_agent_env(environ: Mapping[str, str]) -> AgentEnv:
+    _require(environ, (COORDINATOR, NODE_NAME, GPUS_PER_NODE),
+             "a node agent is started by the operator's worker pod or by `lazarus run --local`")
+    try:
+        ranks = int(environ[GPUS_PER_NODE])
+        if ranks < 1:
+            raise ValueError(f"{GPUS_PER_NODE} must be >= 1, got {ranks}")
+        return AgentEnv(node=environ[NODE_NAME], coordinator=environ[COORDINATOR], ranks=ranks,
+                        backend=_one_of(environ, BACKEND, BACKENDS, None),
+                        visible_gpus=environ.get(CUDA_VISIBLE_DEVICES))
+    except ValueError as e:
+        raise EnvError(f"malformed node agent environment: {e}") from None
+
+
+def rank_env(local_rank: int, gpu: str | None, backend: str) -> dict[str, str]:
+    """What the node agent adds to its own environment for rank ``local_rank``: its GPU
+    (None: the CPU, with every GPU hidden) and the job's collective backend."""
+    return {LOCAL_RANK: str(local_rank), DEVICE: "cpu" if gpu is None else "cuda",
+            BACKEND: backend, CUDA_VISIBLE_DEVICES: gpu or ""}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
+def _one_of(environ: Mapping[str, str], name: str, allowed: tuple[str, ...],
+            default: str | None) -> str | None:
+    value = environ.get(name) or default
+    if value is not None and value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

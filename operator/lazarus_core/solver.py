@@ -8,7 +8,8 @@ import numpy as np
 
 from .allocation import allocate_replicas
 from .anchors import anchors_of, nodes_of
-from .migration import Migration, map_anchors, map_nodes_optimal, plan_transfers
+from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
+                        plan_transfers)
 from .mro import largest_core, mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
@@ -105,11 +106,15 @@ def _positions(nodes, experts, layers, min_replicas, loads):
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
-               policy, generation, reason, max_failures) -> Plan:
+               policy, generation, reason, max_failures,
+               devices: Sequence[Sequence[int]] | None = None) -> Plan:
+    """``devices``: per node, which of its GPUs run its ranks in order (default: its usable
+    GPUs in index order)."""
     plan_nodes, rank = [], 0
-    for n in ordered:
+    for i, n in enumerate(ordered):
         plan_nodes.append(PlanNode(name=n.name, ranks=tuple(range(rank, rank + n.gpus)),
-                                   slots_per_rank=n.slots_per_gpu, zone=n.zone))
+                                   slots_per_rank=n.slots_per_gpu, zone=n.zone,
+                                   devices=tuple(devices[i] if devices else n.devices)))
         rank += n.gpus
     return validate(Plan(
         generation=generation,
@@ -180,6 +185,9 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         replicas = [list(a.replicas) for a in anchors]
         weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
         placements = place_anchored(anchors, slots, weights, gpus, references)
+    # Each rank of a node is played by the GPU of that node that holds most of what it needs.
+    devices = [map_devices(old, node, [p[q] for p in placements])
+               for q, node in enumerate(ordered)]
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
-                      old.policy, old.generation + 1, reason, max_failures)
+                      old.policy, old.generation + 1, reason, max_failures, devices)
     return Replan(plan, plan_transfers(old, plan, sources))

@@ -1,6 +1,7 @@
 """The failure domains a plan is made for: nodes, their zones, GPUs and expert slots."""
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -15,10 +16,22 @@ class NodeSpec:
     zone: str = ""
     # "spot" or "on-demand": on-demand nodes are placed where losing them would hurt most.
     capacity_type: str = "on-demand"
+    # Which of the node's GPUs (local ranks) are usable, ``gpus`` of them: 0..gpus-1 until
+    # one fails and its rank with it.
+    devices: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.devices:
+            object.__setattr__(self, "devices", tuple(range(self.gpus)))
 
     @property
     def slots(self) -> int:
         return self.gpus * self.slots_per_gpu
+
+    def without_gpus(self, lost: set[int]) -> "NodeSpec":
+        """The node after the GPUs ``lost`` failed (at least one must remain)."""
+        devices = tuple(d for d in self.devices if d not in lost)
+        return dataclasses.replace(self, gpus=len(devices), devices=devices)
 
 
 def check_nodes(nodes: list[NodeSpec]) -> None:
@@ -32,6 +45,9 @@ def check_nodes(nodes: list[NodeSpec]) -> None:
             raise ValueError(f"nodes[{n.name}].gpus: must be >= 1, got {n.gpus}")
         if n.slots_per_gpu < 1:
             raise ValueError(f"nodes[{n.name}].slots_per_gpu: must be >= 1, got {n.slots_per_gpu}")
+        if len(n.devices) != n.gpus or len(set(n.devices)) != n.gpus:
+            raise ValueError(f"nodes[{n.name}].devices: needs {n.gpus} distinct GPU indices, "
+                             f"got {list(n.devices)}")
 
 
 def failure_domain_order(nodes: list[NodeSpec]) -> list[NodeSpec]:

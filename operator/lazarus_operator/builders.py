@@ -25,7 +25,8 @@ from .capacity import not_spot_affinity
 INDEX_LABEL = f"{GROUP}/index"
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
 DEFAULT_IMAGE = "ghcr.io/lazarus-moe/runtime:0.1.0"
-DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.worker"]
+# A worker pod is a node: its agent runs a rank process per GPU (gpusPerNode of them).
+DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.node_agent"]
 COORDINATOR_COMMAND = ["python", "-m", "lazarus_runtime.cluster_coordinator"]
 WORKER_PORT = 29500  # gloo/NCCL bootstrap
 COORDINATOR_PORT = 29400  # the coordinator's rendezvous store (c10d TCPStore)
@@ -71,7 +72,7 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
     env = [{"name": k, "value": v} for k, v in (penv.worker_env(
         spec, coordinator, job_uid=job_uid) | {
         penv.JOB: job, penv.NAMESPACE: namespace, penv.PLAN_CONFIGMAP: plan_configmap_name(job),
-        penv.WORKERS_SERVICE: service_name(job), penv.GPUS_PER_NODE: str(spec.gpus_per_node),
+        penv.WORKERS_SERVICE: service_name(job),
     }).items()]
     env += [{"name": penv.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": penv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]

@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lazarus_core.job_spec import JobSpec
+from lazarus_core.plan import member_device, member_node
 from lazarus_core.topology import NodeSpec
 
 from .builders import INDEX_LABEL
@@ -67,9 +68,17 @@ class Observation:
 def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
                     job: JobSpec, suspects: Collection[str] = ()) -> Observation:
     """Classify the job's worker pods. ``nodes`` maps each pod's node to its info, or None
-    when the node no longer exists. ``suspects``: nodes whose workers the coordinator found
-    lost (no heartbeat, a hung loop) while Kubernetes still shows them running: they count
-    as lost, but their pods are kept, so that a worker that resumes can be taken back."""
+    when the node no longer exists. ``suspects``: rank processes (``plan.member_name``) the
+    coordinator found lost (exited, no heartbeat, a hung loop) while Kubernetes still shows
+    their pod running. A node with every rank lost counts as lost, one with some as a node
+    without those ranks' GPUs; their pods are kept, so that a rank that resumes can be
+    taken back."""
+    lost_gpus: dict[str, set[int]] = {}
+    for member in suspects:
+        try:
+            lost_gpus.setdefault(member_node(member), set()).add(member_device(member))
+        except ValueError:
+            continue  # not a coordinator's finding: a malformed ConfigMap reads as absent
     notice_taints = set(job.spot_notice_taints)
     out = Observation()
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
@@ -104,9 +113,11 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
             out.doomed.append((meta["name"], False))
             continue
         out.pod_on[node_name] = meta["name"]
-        if node_name in suspects:
+        live = node.spec(job)
+        lost = lost_gpus.get(node_name, set())
+        if set(live.devices) <= lost:
             continue
-        out.live.append(node.spec(job))
+        out.live.append(live.without_gpus(lost) if lost else live)
         if node.taints & notice_taints or _disruption_target(status):
             out.noticed.add(node_name)
     return out

@@ -1,8 +1,10 @@
 """Checkpoints: one shard per rank, a manifest with checksums, nothing trusted unverified.
 
 Each expert replica set is saved once, by the lowest rank holding it; rank 0 also saves the
-dense parameters. A shard's name carries its writer's random id, so a redone step, a stale
-writer or another run never overwrites a file some manifest lists. The manifest, written
+dense parameters. Tensors are saved from wherever they live (torch.save copies a GPU's to
+the file) and loaded onto the device of the rank that restores them. A shard's name carries
+its writer's random id, so a redone step, a stale writer or another run never overwrites a
+file some manifest lists. The manifest, written
 last by rank 0 once every shard is stored, lists each shard's size and SHA-256 and carries
 a checksum of its own. A checkpoint counts as complete only when its manifest verifies and
 every shard is there at its listed size; loading one also checks each shard's SHA-256.
@@ -103,14 +105,18 @@ class Checkpoint:
                                   f"is corrupt")
         return data
 
-    def load(self, experts: set[ExpertKey]) -> tuple[dict, dict[ExpertKey, dict]]:
-        """(dense state, states of the requested experts), every shard read verified."""
+    def load(self, experts: set[ExpertKey], device: torch.device | str = "cpu"
+             ) -> tuple[dict, dict[ExpertKey, dict]]:
+        """(dense state, states of the requested experts) on ``device``, every shard read
+        verified."""
         dense, found = None, {}
         for shard in self.shards:
             keys = {tuple(k) for k in shard["experts"]}
             if not shard["dense"] and not (keys & experts):
                 continue
-            payload = torch.load(io.BytesIO(self._fetch(shard)), weights_only=True)
+            # Straight onto the loading rank's device, wherever the saving rank's tensors were.
+            payload = torch.load(io.BytesIO(self._fetch(shard)), weights_only=True,
+                                 map_location=torch.device(device))
             if shard["dense"]:
                 dense = payload["dense"]
             for key in keys & experts:

@@ -17,6 +17,9 @@ Kubernetes would (the operator re-plans without them at once).
 It can die and be replaced (the operator starts a new pod): the new one reads that record,
 waits for the workers to reconnect and say what they hold, and carries on from there. One
 JSON line per event goes to stdout.
+
+Its workers are rank processes, one per GPU, named by node and GPU (``plan.member_name``);
+the lost ones it reports by that name, so the operator can drop one GPU of a node.
 """
 from __future__ import annotations
 
@@ -55,16 +58,15 @@ log = logging.getLogger("lazarus.coordinator")
 class Published:
     """One generation as the operator published it."""
     plan: Plan
-    draining: frozenset[str]
+    draining: frozenset[str]  # nodes
 
-    @property
-    def plan_nodes(self) -> list[str]:
-        return [n.name for n in self.plan.nodes]
-
-    @property
-    def alive(self) -> set[str]:
-        """Nodes whose workers the operator counts as running."""
-        return set(self.plan_nodes) | self.draining
+    def alive(self, before: Plan | None) -> set[str]:
+        """The rank processes the operator counts as running: the plan's, and those of its
+        draining nodes, as ``before`` (the plan they last trained under) placed them."""
+        out = set(self.plan.members())
+        if before is not None:
+            out |= {m for n in before.nodes if n.name in self.draining for m in n.members()}
+        return out
 
 
 class PlanFollower:
@@ -250,7 +252,7 @@ class ClusterCoordinator:
     def _ready(self, p: Published) -> bool:
         """Every worker of the plan is up: a plan naming a worker still importing torch
         would hold every survivor at the rendezvous until it arrives."""
-        return all(self.chan.said_hello(n.name) for n in p.plan.nodes)
+        return all(self.chan.said_hello(m) for m in p.plan.members())
 
     def _at_boundary(self, p: Published) -> bool:
         """Whether ``p`` can wait for the next step boundary: the current generation is in
@@ -259,19 +261,20 @@ class ClusterCoordinator:
         d = self.steps.directive
         adopted = self.steps.adopted
         return (d is not None and adopted is not None and adopted.generation == d.generation
-                and all(n.name in p.alive for n in d.plan.nodes) and p.plan.reason != STALLED)
+                and set(d.plan.members()) <= p.alive(d.plan) and p.plan.reason != STALLED)
 
     def _publish(self, p: Published, boundary: PreparedStep | None) -> None:
         if not self.resumed:
             # The first plan this coordinator publishes starts from what the workers hold
             # (nothing, on the job's first start; everything, after a replacement).
             r = self.record
-            self.steps.resume({n.name: h for n in p.plan.nodes
-                               if (h := self.chan.hello_of(n.name)) is not None},
+            self.steps.resume({m: h for m in p.plan.members()
+                               if (h := self.chan.hello_of(m)) is not None},
                               r.step if r else 0, r.checkpoint_step if r else None,
                               r.restores if r else 0)
             self.resumed = True
-        d = self.steps.publish(p.plan, p.alive, boundary=boundary)
+        before = self.steps.directive.plan if self.steps.directive is not None else None
+        d = self.steps.publish(p.plan, p.alive(before), boundary=boundary)
         self.pending = None
         emit("plan", generation=p.plan.generation, reason=p.plan.reason,
              workers=p.plan.world_size, boundary=boundary is not None,
@@ -284,14 +287,17 @@ class ClusterCoordinator:
         replacement coordinator, the plan's workers that never reconnected: the operator
         re-plans without them."""
         newest = self.plans.newest()
-        members = set(newest.plan_nodes) if newest is not None else set()
+        members = set(newest.plan.members()) if newest is not None else set()
         if self.steps.directive is not None:
-            members |= {n.name for n in self.steps.directive.plan.nodes}
+            members |= set(self.steps.directive.plan.members())
         # A lost worker is out of the plan by now, but stays watched: if it beats again it
-        # is back. One that stays silent long after Kubernetes must have noticed is dropped.
+        # is back. One that stays silent long after Kubernetes must have noticed is dropped;
+        # one that exited never comes back, and stays lost while its pod lives (its node's
+        # other ranks may go on for hours).
         now = time.monotonic()
         self.lost_since = {n: self.lost_since.get(n, now) for n in self.suspects}
-        members |= {n for n, since in self.lost_since.items() if now - since < FORGET_LOST_S}
+        members |= {n for n, since in self.lost_since.items()
+                    if now - since < FORGET_LOST_S or n in self.steps.exited}
         suspects = self.steps.lost_workers(sorted(members))
         # A predecessor's finding stands until the worker is heard from again.
         suspects |= {n: why for n, why in self.state.inherited.items()
@@ -303,9 +309,9 @@ class ClusterCoordinator:
                          if not self.chan.said_hello(n)}
         if suspects != self.suspects:
             for n in sorted(suspects.keys() - self.suspects.keys()):
-                emit("lost", node=n, reason=suspects[n])
+                emit("lost", worker=n, reason=suspects[n])
             for n in sorted(self.suspects.keys() - suspects.keys()):
-                emit("back", node=n)
+                emit("back", worker=n)
             self.suspects = suspects
             self.state.suspect(suspects)
 

@@ -9,6 +9,11 @@ judges from the workers' heartbeats and failure reports which of them are lost
 they hold (``resume``), so nothing of its predecessor's memory is needed. The
 local backend feeds it plans from the controller core it runs itself; on Kubernetes the
 coordinator pod feeds it the plans the operator publishes. Both record the same timings.
+
+Its workers are rank processes, one per GPU, named by node and GPU (``plan.member_name``):
+it plans each handover on the plans' per-rank views (``Plan.by_rank``), so a replica moves
+to the very GPU that needs it, between two GPUs of one node too, and a lost GPU is a lost
+worker like any other.
 """
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ class StepCoordinator:
         # The job's checkpoints, read to choose the one to restore (None: not configured).
         self.checkpoints = checkpoints
         self.adopted: Plan | None = None
-        # What the live workers hold, per node, as of the step each applied last: the
+        # What the live workers hold, per rank process, as of the step each applied last: the
         # adopted plan's layout (with the incarnation of each member when it adopted it: a
         # worker that came back on the same node holds nothing), or, after a resume, what
         # each worker reported until the next adoption.
@@ -91,6 +96,9 @@ class StepCoordinator:
         self.liveness = liveness or Liveness()
         self._looked_at = 0.0
         self._lost: dict[str, str] = {}
+        # Of the members looked at last, those whose agent saw them exit (with the status):
+        # lost for good, unlike a silent one, which may beat again.
+        self.exited: dict[str, int] = {}
         self._failures_seen = 0
         self._step_started = time.monotonic()
         # step -> (sample ids, loss) of its last commit
@@ -146,8 +154,8 @@ class StepCoordinator:
     def _adopted(self, d: Directive) -> None:
         """Every member of ``d`` fetched its state: they now hold its plan's layout."""
         self.adopted = d.plan
-        members = {n.name for n in d.plan.nodes}
-        self.held = held_under(d.plan, members, self.committed)
+        members = set(d.plan.members())
+        self.held = held_under(d.plan.by_rank(), members, self.committed)
         self.incarnations = {n: h.incarnation for n in members
                              if (h := self.chan.hello_of(n)) is not None}
         self.roll_forward = None
@@ -178,8 +186,9 @@ class StepCoordinator:
     # --- liveness ------------------------------------------------------------------------
 
     def lost_workers(self, members: list[str]) -> dict[str, str]:
-        """Of ``members``, those the workers' heartbeats and failure reports say are lost,
-        each with the reason (read from the store at most every BEAT_S)."""
+        """Of ``members``, those that are lost, each with the reason: their agent saw them
+        exit, or their heartbeats and their peers' failure reports say so (read from the
+        store at most every BEAT_S)."""
         now = time.monotonic()
         if now - self._looked_at < BEAT_S:
             return {m: why for m, why in self._lost.items() if m in members}
@@ -192,6 +201,9 @@ class StepCoordinator:
         for member, beat in self.chan.beats(members).items():
             self.liveness.beat(member, beat, now)
         self._lost = self.liveness.lost(members, now)
+        self.exited = self.chan.exits(members)
+        for member, status in self.exited.items():
+            self._lost[member] = f"its process exited with status {status} (its node agent says)"
         return self._lost
 
 
@@ -199,8 +211,9 @@ class StepCoordinator:
 
     def publish(self, plan: Plan, alive: set[str], *, boundary: PreparedStep | None = None,
                 fault_at: float | None = None, detected_at: float | None = None) -> Directive:
-        """Publish ``plan`` to the workers. ``alive``: the nodes whose workers still run (a
-        node out of the plan but alive sends its experts away, as after a spot notice).
+        """Publish ``plan`` to the workers. ``alive``: the workers (rank processes) that
+        still run (one out of the plan but alive sends its experts away, as after a spot
+        notice on its node).
 
         With ``boundary`` the change happens between steps: that step is committed and the
         workers switch to ``plan`` right after it. Otherwise the switch is immediate and
@@ -208,10 +221,11 @@ class StepCoordinator:
         if boundary is not None:
             self._committed(boundary.step)
         held = self._held_by(alive)
-        handover = plan_handover(held, plan, self.committed, self.chan.checkpoint(),
+        ranks = plan.by_rank()
+        handover = plan_handover(held, ranks, self.committed, self.chan.checkpoint(),
                                  self.roll_forward)
         if handover.restore_step is not None and self.checkpoints is not None:
-            handover = plan_handover(held, plan, self.committed, self._restorable(),
+            handover = plan_handover(held, ranks, self.committed, self._restorable(),
                                      self.roll_forward)
         directive = Directive.of(plan, handover)
         if handover.restore_step is not None:
@@ -235,8 +249,10 @@ class StepCoordinator:
             self.chan.switch_to(plan.generation)
         else:
             self.chan.publish(directive)
+        ranks = (f" ({plan.world_size} ranks)" if plan.world_size != len(plan.nodes)
+                 else "")
         self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
-                      f"workers, {handover.experts_migrated} expert replicas migrated"
+                      f"workers{ranks}, {handover.experts_migrated} expert replicas migrated"
                       + (f", restored step {handover.restore_step}"
                          if handover.restore_step is not None else ""))
         return directive

@@ -15,7 +15,11 @@ replacement and say hello again with what they hold (``Hello``). The replacement
 from those reports alone, so it needs no memory of its predecessor's store. Apart from the
 training loop, each worker beats (``Beat``) from a thread of its own, and a survivor whose
 collective failed says so (``peer_failed``): that is how the coordinator finds a worker that
-vanished or hangs without waiting for Kubernetes (``lazarus_core.liveness``).
+vanished or hangs without waiting for Kubernetes (``lazarus_core.liveness``). A node's agent
+says at once when one of its rank processes exits (``rank_exited``).
+
+A worker is one rank process, named by its node and GPU (``lazarus_core.plan.member_name``):
+hellos, heartbeats and exits are keyed by that name, and so are the directive's transfers.
 """
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ class Hello:
     prepared: int | None = None
     # The experts it holds per layer; None: no state at all (a fresh process).
     holdings: tuple[tuple[int, ...], ...] | None = None
+    # Its process id, for the local backend's fault injection (a rank's agent is its parent).
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,13 @@ class Directive:
     # First step to run. Survivors redo an interrupted step: it was never committed.
     start_step: int
     transfers: tuple[Transfer, ...] = ()
-    # Nodes out of the plan that still send expert state (spot notice): ranked after the plan.
+    # Workers out of the plan that still send expert state (a node under a spot notice):
+    # ranked after the plan's.
     draining: tuple[str, ...] = ()
     # Set when some expert lost every replica: load the checkpoint of this step (0: none,
     # start again from the initial weights).
     restore_step: int | None = None
-    # Plan nodes that hold no state yet, and the survivor that sends them the dense state.
+    # Plan workers that hold no state yet, and the survivor that sends them the dense state.
     joiners: tuple[str, ...] = ()
     dense_source: str | None = None
     # Set by a replacement coordinator when the one before it committed this step and died
@@ -88,8 +95,9 @@ class Directive:
         return self.plan.generation
 
     def exchange_ranks(self) -> dict[str, int]:
-        """Ranks in the generation's exchange group: the plan's, then the draining nodes'."""
-        ranks = {n.name: n.ranks[0] for n in self.plan.nodes}
+        """Ranks in the generation's exchange group, by worker: the plan's, then the
+        draining workers'."""
+        ranks = self.plan.members()
         for i, name in enumerate(self.draining):
             ranks[name] = self.plan.world_size + i
         return ranks
@@ -250,6 +258,9 @@ class JobChannel:
     # --- membership, liveness and checkpoints ---------------------------------------------
 
     def hello(self, node: str, hello: Hello) -> None:
+        # A process that says hello is alive, whatever an agent said of a predecessor of
+        # the same name (a pod replaced on the same node).
+        self._call(self.store.delete_key, f"{_PREFIX}exited/{node}")
         self._set(f"hello/{node}", json.dumps(asdict(hello)))
 
     def said_hello(self, node: str) -> bool:
@@ -261,7 +272,20 @@ class JobChannel:
         d = json.loads(self._get(f"hello/{node}"))
         holdings = d["holdings"]
         return Hello(d["incarnation"], d["committed"], d["prepared"],
-                     tuple(map(tuple, holdings)) if holdings is not None else None)
+                     tuple(map(tuple, holdings)) if holdings is not None else None,
+                     d.get("pid"))
+
+    def rank_exited(self, worker: str, status: int) -> None:
+        """A node agent saw its rank process ``worker`` exit with ``status``."""
+        self._set(f"exited/{worker}", str(status))
+
+    def exits(self, workers: list[str]) -> dict[str, int]:
+        """The exit status of each of ``workers`` whose agent reported it gone."""
+        keys = [f"exited/{w}" for w in workers]
+        present = [k for k in keys if self._has(k)]
+        values = (self._call(self.store.multi_get, [_PREFIX + k for k in present])
+                  if present else [])
+        return {k.removeprefix("exited/"): int(v.decode()) for k, v in zip(present, values)}
 
     def beat(self, node: str, beat: Beat) -> None:
         self._set(f"beat/{node}", json.dumps(asdict(beat)))

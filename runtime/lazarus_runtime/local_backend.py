@@ -1,12 +1,16 @@
 """The embedded local backend: a LazarusJob as worker processes on one machine.
 
 The parent process is the coordinator. It owns the rendezvous store (so no worker death
-can take it down), starts the workers, watches them, and drives the same controller core as
-the Kubernetes operator: a dead process is a lost node, a new process a joining node. Its
-StepCoordinator publishes each plan generation with the handover it decides from what the
-workers really hold, and commits steps. Failures to inject (``local_faults``) and growth
-(``joins``) happen at chosen steps; ``restart_baseline`` turns the job into the
-checkpoint-restart baseline the benchmarks compare with.
+can take it down), starts one node agent per simulated node (``node_agent``, as a worker
+pod does; each runs the node's ``gpusPerNode`` rank processes), watches them, and drives the
+same controller core as the Kubernetes operator: a dead agent is a lost node, a lost rank
+(its agent says it exited, or its heartbeats stopped) a lost GPU, a new agent a joining
+node. Ranks are placed on this machine's GPUs in turn across nodes (``devices.share_machine``:
+with more ranks than GPUs they share them, over gloo), or on the CPU where there is none.
+Its StepCoordinator publishes each plan generation with the handover it decides from what
+the workers really hold, and commits steps. Failures to inject (``local_faults``: a node or
+one rank) and growth (``joins``) happen at chosen steps; ``restart_baseline`` turns the job
+into the checkpoint-restart baseline the benchmarks compare with.
 """
 from __future__ import annotations
 
@@ -22,14 +26,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 from lazarus_core import controller as core
+from lazarus_core import process_env as penv
 from lazarus_core.job_spec import JobSpec
-from lazarus_core.process_env import worker_env
+from lazarus_core.plan import member_device, member_name, member_node
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.topology import NodeSpec
 
 from .checkpoint import Checkpoints
 from .coordination import PreparedStep, StepCoordinator
 from .data import StepBatches
+from .devices import share_machine, visible_gpus
 from .job_channel import JobChannel
 from .local_faults import Fault, FaultSchedule, Strike
 
@@ -70,7 +76,11 @@ class LocalJob:
                  on_event: Callable[[str], None] = lambda line: None,
                  on_progress: Callable[[dict], None] = lambda status: None,
                  worker_env: dict[str, str] | None = None, timeout_s: float = 600.0,
-                 kill_every_s: float | None = None, duration_s: float | None = None):
+                 kill_every_s: float | None = None, duration_s: float | None = None,
+                 gpus: Sequence[str] | None = None):
+        """``workers``: nodes, each an agent with ``spec.gpus_per_node`` rank processes.
+        ``gpus``: the GPUs the ranks may use (None: those this machine shows; () keeps
+        every rank on the CPU, as the fp32 equivalence tests want)."""
         self.name = name
         self.spec = dataclasses.replace(spec, replicas=workers)
         self.workers = workers
@@ -81,6 +91,12 @@ class LocalJob:
         self.on_event = on_event
         self.on_progress = on_progress
         self.extra_env = worker_env or {}
+        self.gpus = list(visible_gpus(os.environ.get(penv.CUDA_VISIBLE_DEVICES))
+                         if gpus is None else gpus)
+        # Every node that can be up at once, all ranks on this machine: NCCL only if none
+        # shares a GPU with another.
+        _, self.backend = share_machine(workers + sum(c for _, c in self.joins),
+                                        spec.gpus_per_node, self.gpus)
         self.timeout_s = timeout_s
         # End at the first step of new progress past this many seconds of training: with
         # kill_every_s, a run of fixed length whatever the failures cost.
@@ -92,13 +108,15 @@ class LocalJob:
         self.store: dist.TCPStore | None = None
         self.chan: JobChannel | None = None
         self.steps_done: StepCoordinator | None = None
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen] = {}  # node -> its agent
+        self.started: set[str] = set()  # rank processes (members) that said hello
         self.admitted: set[str] = set()
         self.waiting_joiners: list[tuple[int, str]] = []
         self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
         self.failures = 0
         self.fault_at: float | None = None
-        # Frozen workers and when to thaw them; workers the heartbeats say are lost.
+        # Frozen nodes or ranks and when to thaw them; ranks found lost (their agent saw
+        # them exit, or their heartbeats stopped).
         self.thaw_at: dict[str, float] = {}
         self.suspects: dict[str, str] = {}
         # When the coordinator last looked at its workers: a death is "detected" then.
@@ -109,22 +127,52 @@ class LocalJob:
 
     def _spawn(self, name: str) -> None:
         checkpoint = str(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        shares, _ = share_machine(len(self.procs) + 1, self.spec.gpus_per_node, self.gpus)
         env = dict(os.environ, **self.extra_env,
-                   **worker_env(self.spec, f"127.0.0.1:{self.store.port}", name, checkpoint))
+                   **penv.worker_env(self.spec, f"127.0.0.1:{self.store.port}", name,
+                                     checkpoint),
+                   **{penv.CUDA_VISIBLE_DEVICES: ",".join(shares[-1]),
+                      penv.BACKEND: self.backend})
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "lazarus_runtime.worker"], env=env,
+            [sys.executable, "-m", "lazarus_runtime.node_agent"], env=env,
             stdin=subprocess.DEVNULL)
 
-    def _node(self, name: str) -> NodeSpec:
-        return NodeSpec(name, gpus=1, slots_per_gpu=self.spec.slots_per_node, zone="local")
+    def _members(self, node: str) -> list[str]:
+        return [member_name(node, d) for d in range(self.spec.gpus_per_node)]
+
+    def _said_hello(self, member: str) -> bool:
+        if member not in self.started and self.chan.said_hello(member):
+            self.started.add(member)
+        return member in self.started
 
     def _running(self) -> set[str]:
         return {n for n, p in self.procs.items() if p.poll() is None}
 
-    def _live(self, running: set[str]) -> list[NodeSpec]:
-        """The admitted workers among ``running`` that have started."""
-        return [self._node(n) for n in sorted(running)
-                if n in self.admitted and self.chan.said_hello(n)]
+    def _up(self, running: set[str]) -> list[str]:
+        """The rank processes of the admitted nodes among ``running`` that have started."""
+        return [m for n in sorted(running) if n in self.admitted for m in self._members(n)
+                if self._said_hello(m)]
+
+    def _live(self, up: list[str], lost: set[str]) -> list[NodeSpec]:
+        """Each node with a rank up and not ``lost``, with the GPUs of those ranks."""
+        devices: dict[str, list[int]] = {}
+        for m in up:
+            if m not in lost:
+                devices.setdefault(member_node(m), []).append(member_device(m))
+        return [NodeSpec(n, gpus=len(ds), slots_per_gpu=self.spec.slots_per_gpu,
+                         zone="local", devices=tuple(ds)) for n, ds in devices.items()]
+
+    def _pids(self, target: str) -> list[int]:
+        """The processes to strike for ``target``: a node's agent and its ranks, or one rank
+        (its pid from its hello)."""
+        if target in self.procs:
+            ranks = [h.pid for m in self._members(target)
+                     if (h := self.chan.hello_of(m)) is not None and h.pid]
+            return [self.procs[target].pid] + ranks
+        hello = self.chan.hello_of(target)
+        if hello is None or not hello.pid:
+            raise RuntimeError(f"{target} has not started: no process to strike")
+        return [hello.pid]
 
     def _strike(self, strikes: list[Strike], when: str = "as step {} began") -> None:
         for fault, names in strikes:
@@ -132,7 +180,11 @@ class LocalJob:
                 continue
             freeze = fault.freeze_s is not None
             for n in names:
-                self.procs[n].send_signal(signal.SIGSTOP if freeze else signal.SIGKILL)
+                # A node's agent and its ranks at once, as a machine that dies: a rank left
+                # to die with its agent (PR_SET_PDEATHSIG) could finish the step in flight
+                # first. One rank alone: a lost GPU.
+                for pid in self._pids(n):
+                    _signal(pid, signal.SIGSTOP if freeze else signal.SIGKILL)
                 if freeze:
                     self.thaw_at[n] = time.monotonic() + fault.freeze_s
             self.fault_at = time.monotonic()
@@ -145,7 +197,8 @@ class LocalJob:
         now = time.monotonic()
         for n, at in list(self.thaw_at.items()):
             if now >= at:
-                self.procs[n].send_signal(signal.SIGCONT)
+                for pid in self._pids(n):
+                    _signal(pid, signal.SIGCONT)
                 del self.thaw_at[n]
                 self.on_event(f"thawed {n} (SIGCONT)")
 
@@ -175,9 +228,10 @@ class LocalJob:
             self._await_hellos(list(self.procs), start)
             self.training_from = time.monotonic()  # every worker is up
             self.faults.start_clock(self.training_from)
-            self._apply(core.handle_all(self.state, core.observe(self.state,
-                                                                 self._live(self._running()), ()),
-                                        time.time()))
+            self._apply(core.handle_all(
+                self.state, core.observe(self.state, self._live(self._up(self._running()),
+                                                                set()), ()),
+                time.time()))
             while self.steps_done.committed < self.steps:
                 if time.monotonic() - start > self.timeout_s:
                     raise TimeoutError(f"the job did not finish {self.steps} steps in "
@@ -202,7 +256,8 @@ class LocalJob:
         return self._result(wall, training)
 
     def _await_hellos(self, names: list[str], start: float) -> None:
-        while not all(self.chan.said_hello(n) for n in names):
+        """Wait until every rank of the nodes ``names`` has started."""
+        while not all(self._said_hello(m) for n in names for m in self._members(n)):
             dead = [n for n in names if self.procs[n].poll() is not None]
             if dead:
                 raise RuntimeError(f"worker {dead[0]} exited with code "
@@ -231,16 +286,17 @@ class LocalJob:
             self._on_deaths()
             running = self._running()
         self.detected_at = time.monotonic()
-        live = self._live(running)
-        # Alive as processes, but lost by their heartbeats (frozen, hung) or taken back.
-        suspects = self.steps_done.lost_workers([n.name for n in live])
-        for n in sorted(suspects.keys() - self.suspects.keys()):
-            self.on_event(f"{n} is lost: {suspects[n]}")
-        for n in sorted(self.suspects.keys() - suspects.keys()):
-            if n in running:
-                self.on_event(f"{n} is back")
+        up = self._up(running)
+        # Ranks whose node runs, but lost: exited (their agent says), or by their heartbeats
+        # (frozen, hung); or taken back.
+        suspects = self.steps_done.lost_workers(up)
+        for m in sorted(suspects.keys() - self.suspects.keys()):
+            self.on_event(f"{m} is lost: {suspects[m]}")
+        for m in sorted(self.suspects.keys() - suspects.keys()):
+            if member_node(m) in running:
+                self.on_event(f"{m} is back")
         self.suspects = suspects
-        return core.observe(self.state, [n for n in live if n.name not in suspects], ())
+        return core.observe(self.state, self._live(up, set(suspects)), ())
 
     def _complete(self, prepared: PreparedStep) -> None:
         """Every rank prepared the step: let the controller see it, then commit it."""
@@ -299,7 +355,8 @@ class LocalJob:
                 self.on_event(f"waiting: {decision.message}")
 
     def _publish(self, decision: core.PublishPlan, boundary: PreparedStep | None) -> None:
-        directive = self.steps_done.publish(decision.plan, self._running(), boundary=boundary,
+        alive = {m for n in self._running() for m in self._members(n)} - set(self.suspects)
+        directive = self.steps_done.publish(decision.plan, alive, boundary=boundary,
                                             fault_at=self.fault_at, detected_at=self.detected_at)
         self.fault_at = None
         self._strike(self.faults.after_publish(directive.start_step, self._plan_workers_alive))
@@ -332,7 +389,8 @@ class LocalJob:
 
     def _shutdown(self) -> None:
         for n in self.thaw_at:  # a frozen process could not see the stop
-            self.procs[n].send_signal(signal.SIGCONT)
+            for pid in self._pids(n):
+                _signal(pid, signal.SIGCONT)
         if self.chan is not None:
             self.chan.stop()
         deadline = time.monotonic() + 20
@@ -342,3 +400,11 @@ class LocalJob:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _signal(pid: int, signum: int) -> None:
+    """Signal a process that may have exited already (a rank of a node struck twice)."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

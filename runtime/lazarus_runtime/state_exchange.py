@@ -9,6 +9,10 @@ collectives' own: bounded, and interrupted by a newer generation. (Point-to-poin
 would need waits of their own: a gloo send cannot be polled, and a timed wait on it closes
 the connection when the peer posts its receive a moment late.)
 
+Messages are packed on the worker's device and the all-to-all carries them from there: on
+GPUs, over NCCL, state goes GPU to GPU with no copy through the host (gloo carries CUDA
+tensors too, for ranks that share a GPU).
+
 Both ends know every message's layout without asking: all experts share one shape, and the
 optimizer state exists exactly when at least one step has been committed.
 """
@@ -48,11 +52,14 @@ def layout(named_shapes: Sequence[tuple[str, torch.Size]], stepped: bool) -> Lay
     return sorted(out)
 
 
-def pack(state: Mapping[str, torch.Tensor], lay: Layout) -> torch.Tensor:
+def pack(state: Mapping[str, torch.Tensor], lay: Layout,
+         device: torch.device | str = "cpu") -> torch.Tensor:
+    """One flat fp32 message on ``device``. Tensors already there are copied once, into the
+    message; a host one (AdamW's step count) crosses over on its own."""
     missing = [name for name, _ in lay if name not in state]
     if missing:
         raise ValueError(f"state: missing {missing[:3]} for the agreed layout")
-    return torch.cat([state[name].detach().reshape(-1).to(torch.float32).cpu()
+    return torch.cat([state[name].detach().reshape(-1).to(device=device, dtype=torch.float32)
                       for name, _ in lay])
 
 
@@ -67,13 +74,15 @@ def unpack(flat: torch.Tensor, lay: Layout) -> dict[str, torch.Tensor]:
 
 def exchange(comm: Collectives, cfg: ModelConfig, engine: Engine | None, me: str,
              ranks: Mapping[str, int], transfers: Sequence[Transfer], joiners: Sequence[str],
-             dense_source: str | None, stepped: bool) -> tuple[dict[ExpertKey, dict], dict | None]:
+             dense_source: str | None, stepped: bool,
+             device: torch.device | str = "cpu") -> tuple[dict[ExpertKey, dict], dict | None]:
     """Send and receive every message this worker takes part in, in one all-to-all that
     every member of the generation's group calls.
 
     ``engine`` is None on a worker that holds no state yet (it only receives). Returns
-    (incoming expert states, incoming dense state or None). Between two ranks, messages go
-    in one agreed order: the transfers in the directive's order, then the dense state.
+    (incoming expert states, incoming dense state or None), on ``device``. Between two
+    ranks, messages go in one agreed order: the transfers in the directive's order, then the
+    dense state.
     """
     expert_shapes, dense_shapes = _shapes(cfg)
     expert_lay = layout(expert_shapes, stepped)
@@ -87,19 +96,20 @@ def exchange(comm: Collectives, cfg: ModelConfig, engine: Engine | None, me: str
     for t in transfers:
         key = (t.layer, t.expert)
         if t.source == me:
-            outgoing[ranks[t.destination]].append(pack(engine.expert_state(key), expert_lay))
+            outgoing[ranks[t.destination]].append(pack(engine.expert_state(key), expert_lay,
+                                                       device))
         if t.destination == me:
             arriving[ranks[t.source]].append((key, expert_n))
     if dense_source is not None:
         if me == dense_source:
-            flat = pack(engine.dense_state(), dense_lay)
+            flat = pack(engine.dense_state(), dense_lay, device)
             for j in joiners:
                 outgoing[ranks[j]].append(flat)
         elif me in joiners:
             arriving[ranks[dense_source]].append((None, dense_n))
     send_splits = [sum(m.numel() for m in msgs) for msgs in outgoing]
     recv_splits = [sum(n for _, n in msgs) for msgs in arriving]
-    empty = torch.empty(0)
+    empty = torch.empty(0, device=device)
     received = comm.all_to_all(torch.cat([empty] + [m for msgs in outgoing for m in msgs]),
                                recv_splits, send_splits)
     experts, dense = {}, None

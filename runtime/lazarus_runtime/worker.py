@@ -1,7 +1,11 @@
-"""A worker: trains under whatever plan generation its coordinator publishes, and survives
-the loss of its peers.
+"""A worker: one rank process, on one GPU of its node (or the CPU). It trains under
+whatever plan generation its coordinator publishes, and survives the loss of its peers.
 
-    python -m lazarus_runtime.worker   (configured by the environment, see ``main``)
+    python -m lazarus_runtime.worker   (started by its node agent, configured by the
+                                        environment, see ``main``)
+
+It is named by its node and GPU (``plan.member_name``); the plan says which rank that GPU
+runs (``PlanNode.devices``).
 
 For each generation the worker joins a process group scoped to it, brings its state up to
 the plan (checkpoint restore, expert transfers, or a fresh start), then runs steps. A step
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from lazarus_core import process_env as penv
+from lazarus_core.plan import member_name
 from lazarus_core.runtime_config import RuntimeConfig
 
 from . import checkpoint
@@ -76,15 +81,18 @@ class WorkerSettings:
     device: str = "cpu"
     # How long to keep trying to reach a replacement coordinator before giving up.
     reconnect_s: float = 120.0
+    # The job's collective backend (process_group): gloo, or nccl with a GPU per rank.
+    backend: str = "gloo"
 
 
 class Worker:
     def __init__(self, connect: Callable[[float], dist.Store], node: str, cfg: RuntimeConfig,
-                 settings: WorkerSettings):
+                 settings: WorkerSettings, local_rank: int = 0):
         """``connect(timeout_s)``: a new client of the coordinator's store, or an error when
-        none answers within ``timeout_s``."""
+        none answers within ``timeout_s``. ``local_rank``: which of the node's GPUs (ranks)
+        this process is."""
         self._connect = connect
-        self.node = node
+        self.me = member_name(node, local_rank)
         self.cfg = cfg
         self.settings = settings
         self.batches = StepBatches.from_config(cfg.data, cfg.model.seq_len, cfg.model.vocab)
@@ -94,7 +102,7 @@ class Worker:
         # A step computed whose commit never came because the coordinator died meanwhile.
         self.prepared: int | None = None
         self.incarnation = uuid.uuid4().hex
-        self.heartbeat = Heartbeat(lambda: connect(5.0), node)
+        self.heartbeat = Heartbeat(lambda: connect(5.0), self.me)
         self._reconnect()  # the coordinator may still be starting
 
     # --- the loop of generations ---------------------------------------------------------
@@ -106,10 +114,10 @@ class Worker:
                 try:
                     return self._serve()
                 except CoordinatorLost as e:
-                    log.warning("%s: %s; reconnecting", self.node, e)
+                    log.warning("%s: %s; reconnecting", self.me, e)
                     self._leave(failed=True)
                     self._reconnect()
-                    log.warning("%s: reconnected to the coordinator", self.node)
+                    log.warning("%s: reconnected to the coordinator", self.me)
         finally:
             self.heartbeat.stop()
 
@@ -123,10 +131,10 @@ class Worker:
                 return 0
             seen = generation
             directive = self.chan.directive(generation)
-            if self.node not in directive.exchange_ranks():
+            if self.me not in directive.exchange_ranks():
                 # Left out (lost, then back; or not placed yet): tell the coordinator what
                 # we hold and wait; the controller takes us back, or releases us.
-                log.info("%s: not in generation %d; waiting to be taken back", self.node,
+                log.info("%s: not in generation %d; waiting to be taken back", self.me,
                          generation)
                 self._hello()
                 continue
@@ -139,9 +147,9 @@ class Worker:
             except StateLost:
                 self._leave(failed=True)
                 return EXIT_STATE_LOST
-            if self.node not in {n.name for n in directive.plan.nodes}:
+            if self.me not in directive.plan.members():
                 self._leave(failed=False)
-                return 0  # a draining node: its experts are sent, its work is done
+                return 0  # a draining worker: its experts are sent, its work is done
             try:
                 self._train(directive)
             except GenerationEnded as e:
@@ -158,8 +166,8 @@ class Worker:
             for layer, expert in self.engine.held_experts():
                 per_layer[layer].append(expert)
             holdings = tuple(tuple(sorted(es)) for es in per_layer)
-        self.chan.hello(self.node, Hello(self.incarnation, self.committed, self.prepared,
-                                         holdings))
+        self.chan.hello(self.me, Hello(self.incarnation, self.committed, self.prepared,
+                                       holdings, os.getpid()))
 
     def _reconnect(self) -> None:
         """Reach the coordinator (at start, or its replacement), with backoff, within
@@ -191,9 +199,9 @@ class Worker:
     def _log_ended(self, e: GenerationEnded) -> None:
         # A generation ending is routine (a peer died, a newer plan came): one line in our
         # words at INFO; the backend's raw error only at DEBUG.
-        log.info("%s: %s", self.node, e)
+        log.info("%s: %s", self.me, e)
         if e.__cause__ is not None:
-            log.debug("%s: %s", self.node, e.__cause__)
+            log.debug("%s: %s", self.me, e.__cause__)
 
     def _next_generation(self, seen: int) -> int | None:
         deadline = time.monotonic() + self.settings.plan_timeout_s
@@ -204,7 +212,7 @@ class Worker:
             if latest > seen:
                 return latest
             if time.monotonic() > deadline:
-                raise ChannelTimeout(f"{self.node}: no plan after generation {seen} within "
+                raise ChannelTimeout(f"{self.me}: no plan after generation {seen} within "
                                      f"{self.settings.plan_timeout_s:.0f} s")
             time.sleep(0.005)
 
@@ -213,8 +221,8 @@ class Worker:
     def _adopt(self, d: Directive) -> None:
         g = d.generation
         ranks = d.exchange_ranks()
-        in_plan = self.node in {n.name for n in d.plan.nodes}
-        rank = ranks[self.node]
+        in_plan = self.me in d.plan.members()
+        rank = ranks[self.me]
         timings = {"rebuild_s": 0.0, "migrate_s": 0.0}
         self.heartbeat.in_step(False)
         if (d.roll_forward is not None and self.engine is not None
@@ -223,10 +231,10 @@ class Worker:
             self.engine.apply()
             self.committed = d.roll_forward
         self.prepared = None
-        if self.node in d.joiners:
+        if self.me in d.joiners:
             self.engine = None  # what we hold is behind: take everything from the survivors
         self._leave(failed=False)
-        # The draining nodes of a spot notice only send: they join an exchange group that
+        # The draining workers of a spot notice only send: they join an exchange group that
         # the training group (the plan alone) then replaces.
         comm = self._join(f"{g}-exchange" if d.draining else str(g), rank, len(ranks), g,
                           timings)
@@ -237,9 +245,9 @@ class Worker:
             experts, dense = {}, None  # nothing trained yet: the seeded initial weights
         else:
             try:
-                experts, dense = exchange(comm, self.cfg.model, self.engine, self.node, ranks,
+                experts, dense = exchange(comm, self.cfg.model, self.engine, self.me, ranks,
                                           d.transfers, d.joiners, d.dense_source,
-                                          stepped=d.start_step > 1)
+                                          stepped=d.start_step > 1, device=self.settings.device)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
                 self._peer_failed(g, e)
                 raise GenerationEnded.by(f"expert transfers of generation {g}", e) from e
@@ -269,7 +277,7 @@ class Worker:
             self.engine.reconfigure(d.plan, rank, comm, experts)
         timings["migrate_s"] += time.perf_counter() - start
         if self.committed != d.start_step - 1:
-            raise RuntimeError(f"{self.node}: holds step {self.committed}, generation {g} "
+            raise RuntimeError(f"{self.me}: holds step {self.committed}, generation {g} "
                                f"starts at {d.start_step}")
         self.chan.report_timings(g, rank, timings)
 
@@ -279,7 +287,9 @@ class Worker:
         try:
             self.comm = join_generation(self.store, scope, rank, world_size,
                                         timeout_s=self.settings.collective_timeout_s,
-                                        interrupted=lambda: self._superseded(g))
+                                        interrupted=lambda: self._superseded(g),
+                                        backend=self.settings.backend,
+                                        device=self.settings.device)
         except (RuntimeError, TimeoutError) as e:
             raise GenerationEnded.by(f"joining generation {g}", e) from e
         timings["rebuild_s"] += time.perf_counter() - start
@@ -298,17 +308,18 @@ class Worker:
             if store is None:
                 raise RuntimeError(f"told to restore step {d.restore_step}, but this worker "
                                    f"has no checkpoint path")
-            engine.load_state(*store.at(d.restore_step).load(set(engine.held_experts())))
+            engine.load_state(*store.at(d.restore_step).load(set(engine.held_experts()),
+                                                             self.settings.device))
         self.engine = engine
         self.committed = d.restore_step
-        log.info("%s: restored step %d for generation %d", self.node, d.restore_step,
+        log.info("%s: restored step %d for generation %d", self.me, d.restore_step,
                  d.generation)
 
     # --- training ------------------------------------------------------------------------
 
     def _train(self, d: Directive) -> None:
         g = d.generation
-        rank = d.plan.nodes[d.plan.node_index(self.node)].ranks[0]
+        rank = d.plan.members()[self.me]
         step = d.start_step
         while True:
             self.heartbeat.in_step(True)
@@ -387,6 +398,11 @@ def main() -> int:
     # As a container's first process it would otherwise ignore SIGTERM, and a deleted pod
     # would wait out its whole grace period: leave at once (nothing here needs saving).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    device = "cpu"
+    if env.device == "cuda":
+        # The node agent shows each rank only its own GPU (CUDA_VISIBLE_DEVICES).
+        device = "cuda:0"
+        torch.cuda.set_device(0)
     settings = WorkerSettings(
         checkpoints=checkpoint.Checkpoints.open(env.checkpoint_path, env.job_uid,
                                                 env.checkpoint_keep)
@@ -394,6 +410,7 @@ def main() -> int:
         checkpoint_every=env.checkpoint_every_steps,
         collective_timeout_s=env.collective_timeout_s,
         reconnect_s=env.reconnect_s,
+        device=device, backend=env.backend,
     )
     host, port = env.coordinator_address
 
@@ -406,7 +423,7 @@ def main() -> int:
                              timeout=datetime.timedelta(seconds=timeout_s))
 
     try:
-        worker = Worker(connect, env.node, cfg, settings)
+        worker = Worker(connect, env.node, cfg, settings, env.local_rank)
     except CoordinatorLost as e:
         print(f"lazarus worker: error: no coordinator at {env.coordinator}: {e}", file=sys.stderr)
         return 1

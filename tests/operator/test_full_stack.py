@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
+from lazarus_core.plan import member_node
 
 from jobkit import JobClient, kubectl, settle, tool
 from testcluster import faults
@@ -61,9 +63,10 @@ def job_manifest(name: str, namespace: str, checkpoint_path: Path, image: str | 
     with ``image``, from that image, the checkpoints on a hostPath volume all workers share."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
-    doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace}, image=image)
     doc["spec"] |= {"rebalanceEverySteps": 0,
                     "checkpoint": {"path": str(checkpoint_path), "everySteps": 5}} | spec
+    # After the spec: the pods ask for gpusPerNode GPUs.
+    doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace}, image=image)
     template = doc["spec"]["template"]
     # A dead peer is noticed through the plan long before this; it only bounds a collective
     # whose peer froze.
@@ -191,6 +194,17 @@ class Stack:
         return [e["step"] for e in self.events("step")]
 
 
+def pod_processes(stack: Stack, pod_name: str) -> list[psutil.Process]:
+    """A worker pod's processes: its node agent, then its rank processes."""
+    agent = psutil.Process(stack.kubelet.process(pod_name).pid)
+    return [agent] + sorted(agent.children(), key=lambda p: p.pid)
+
+
+def signal_all(procs: list[psutil.Process], signum: int) -> None:
+    for p in procs:
+        p.send_signal(signum)
+
+
 def record(scenario: str, result: dict) -> None:
     RESULTS.parent.mkdir(exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -256,7 +270,7 @@ def reference_losses(tmp: Path, steps: int) -> list[float]:
     from lazarus_runtime.local_backend import LocalJob
 
     name, spec = parse_manifest(job_manifest("reference", "default", tmp / "ref-ckpt"))
-    return LocalJob(name, spec, 2, steps, checkpoint_dir=tmp / "ref-ckpt").run().losses
+    return LocalJob(name, spec, 2, steps, checkpoint_dir=tmp / "ref-ckpt", gpus=()).run().losses
 
 
 def assert_losses_match(stack: Stack, m: dict, scenario: str | None = None) -> None:
@@ -293,6 +307,47 @@ def test_a_deleted_node_costs_one_reconfiguration_and_the_losses_match(cluster, 
     commits = stack.commits()
     assert commits == sorted(set(commits)), "a committed step was committed again"
     assert_losses_match(stack, m)
+
+
+def test_two_ranks_per_node_survive_a_lost_rank_then_a_lost_node(cluster, stack,
+                                                                  scratch_nodes):
+    # Each worker pod runs the node agent with gpusPerNode rank processes (on the CPU here).
+    # 4 slots per rank: the 2 ranks left at the end hold the 4 experts x 2 replicas.
+    scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+    stack.apply(replicas=2, minNodes=1, gpusPerNode=2)
+    stack.wait_step(6)
+    assert len(stack.plan_nodes()) == 2
+    [first] = stack.events("plan")
+    assert first["workers"] == 4, first  # two nodes, two ranks each
+    pod = stack.jobs.workers(stack.name)[-1]
+    agent, *ranks = pod_processes(stack, pod.metadata.name)
+    assert len(ranks) == 2
+    generation = stack.generation()
+
+    fault_at = time.time()
+    ranks[1].kill()  # one GPU fails: its rank dies, its agent and the other rank go on
+    stack.wait_step(stack.last_step() + 3, after_generation=generation)
+    m = stack.measure("a rank of a node lost (its GPU)", fault_at, generation)
+    [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
+    assert plan["reason"] == "GpuLost" and plan["workers"] == 3, plan
+    assert pod.spec.node_name in stack.plan_nodes() and agent.is_running()
+    assert [e["worker"] for e in stack.events("lost")] == [f"{pod.spec.node_name}/1"]
+    assert m["fault_to_next_step_s"] < RECOVERY_TARGET_S, m
+    assert_nothing_lost(m)
+
+    generation = stack.generation()
+    fault_at = time.time()
+    faults.delete_node(cluster.core, pod.spec.node_name)  # now the whole node
+    stack.wait_step(stack.last_step() + 3, after_generation=generation)
+    m = stack.measure("the node of the lost rank deleted", fault_at, generation)
+    [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
+    assert plan["reason"] == "NodeLost" and plan["workers"] == 2, plan
+    assert pod.spec.node_name not in stack.plan_nodes() and len(stack.plan_nodes()) == 1
+    assert m["fault_to_next_step_s"] < NODE_LOSS_TARGET_S, m
+    commits = stack.commits()
+    assert commits == sorted(set(commits)), "a committed step was committed again"
+    assert_nothing_lost(m)
+    assert_losses_match(stack, m, "the node of the lost rank deleted")
 
 
 def sole_holders(plan: dict) -> set[str]:
@@ -401,19 +456,19 @@ def test_a_worker_frozen_past_the_heartbeat_bound_is_dropped_then_taken_back(clu
     stack.wait_step(6)
     generation = stack.generation()
     pod = stack.jobs.workers(stack.name)[0]
-    frozen = stack.kubelet.process(pod.metadata.name)
+    frozen = pod_processes(stack, pod.metadata.name)
 
     frozen_at = time.time()
-    frozen.send_signal(signal.SIGSTOP)  # a hung driver: alive, sockets open, silent
+    signal_all(frozen, signal.SIGSTOP)  # a hung machine: alive, sockets open, silent
     stack.wait_step(stack.last_step() + 3, after_generation=generation)
     m = stack.measure("worker frozen past the heartbeat bound", frozen_at, generation)
     [plan, *_] = [p for p in stack.events("plan") if p["generation"] > generation]
     assert plan["reason"] == "NodeLost" and not plan["boundary"], plan
     assert pod.spec.node_name not in stack.plan_nodes()
-    assert [e["node"] for e in stack.events("lost")][:1] == [pod.spec.node_name]
+    assert [member_node(e["worker"]) for e in stack.events("lost")][:1] == [pod.spec.node_name]
     assert m["fault_to_next_step_s"] < FROZEN_TARGET_S, m
 
-    frozen.send_signal(signal.SIGCONT)  # it resumes: taken back at a step boundary
+    signal_all(frozen, signal.SIGCONT)  # it resumes: taken back at a step boundary
     wait_until(lambda: pod.spec.node_name in stack.plan_nodes(), timeout=STEP_TIMEOUT_S,
                what="the resumed worker back in the plan", describe=stack.describe)
     stack.wait_step(stack.last_step() + 3, after_generation=stack.generation() - 1)
@@ -428,7 +483,7 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
     stack.apply()
     stack.wait_step(8)
     generation = stack.generation()
-    proc = stack.kubelet.process(stack.jobs.workers(stack.name)[0].metadata.name)
+    procs = pod_processes(stack, stack.jobs.workers(stack.name)[0].metadata.name)
 
     def pace(since: float, until: float) -> float:
         times = [e["time"] for e in stack.events("step") if since <= e["time"] <= until]
@@ -440,9 +495,9 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
 
     def throttle():  # the worker gets a sixth of the CPU time, in 60 ms periods
         while not stop.is_set():
-            proc.send_signal(signal.SIGSTOP)
+            signal_all(procs, signal.SIGSTOP)
             time.sleep(0.05)
-            proc.send_signal(signal.SIGCONT)
+            signal_all(procs, signal.SIGCONT)
             time.sleep(0.01)
 
     started = time.time()
@@ -453,13 +508,13 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
     finally:
         stop.set()
         thread.join()
-        proc.send_signal(signal.SIGCONT)
+        signal_all(procs, signal.SIGCONT)
     slowed = pace(started + 2, time.time())
     record("worker throttled five-fold", {"normal_step_s": round(normal, 3),
                                           "throttled_step_s": round(slowed, 3),
                                           "slowdown": round(slowed / normal, 1),
                                           "replans": stack.generation() - generation,
-                                          "lost": [e["node"] for e in stack.events("lost")]})
+                                          "lost": [e["worker"] for e in stack.events("lost")]})
     assert slowed >= 4 * normal, (normal, slowed)  # really much slower
     assert stack.generation() == generation and stack.events("lost") == []
     stack.wait_step(stack.last_step() + 3)

@@ -28,7 +28,10 @@ def manifest(tmp: Path, name: str, **spec_overrides) -> Path:
 def run(path: Path, workers: int, kills=(), joins=(), steps: int = STEPS,
         events: list | None = None, job_class: type[LocalJob] = LocalJob,
         **options) -> RunResult:
-    """``options``: further LocalJob arguments (kill_every_s, duration_s, ...)."""
+    """``options``: further LocalJob arguments (kill_every_s, duration_s, ...). Ranks run
+    on the CPU unless ``gpus`` says otherwise (None: this machine's), so that the exact
+    equivalence tests hold on a GPU machine too."""
+    options.setdefault("gpus", ())
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
     job = job_class(name, spec, workers, steps, list(kills), list(joins),
                    checkpoint_dir=path.parent / "ckpt" / name,

@@ -16,7 +16,8 @@ from lazarus_runtime.collectives import (Collectives, CollectiveInterrupted, Col
 LATE_S = 3.0
 
 
-def waits(rank: int, comm: Collectives) -> dict:
+def waits(rank: int, comm: Collectives, poll_completion: bool) -> dict:
+    comm.poll_completion = poll_completion
     if rank == 1:
         # The peer is stuck; it joins both collectives only much later, so that the
         # abandoned work completes and the group shuts down cleanly for the next test.
@@ -41,10 +42,17 @@ def waits(rank: int, comm: Collectives) -> dict:
     return out
 
 
+# False: gloo's own wait blocks the host for a slice; True: the slices poll is_completed(),
+# as on NCCL, whose wait only orders the device stream (the same loop, run here on gloo).
+POLLING = pytest.mark.parametrize("poll_completion", [False, True],
+                                  ids=["host-wait", "completion-polling"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_waits_are_interruptible_and_bounded():
-    rank0, _ = run_gloo(waits, world_size=2, timeout_s=60)
+@POLLING
+def test_waits_are_interruptible_and_bounded(poll_completion):
+    rank0, _ = run_gloo(waits, world_size=2, timeout_s=60, args=(poll_completion,))
     # Generous upper bounds, as the machine is shared: without the bound, rank 0 would
     # wait out the peer's 3 s.
     assert 0.3 <= rank0["interrupted_after"] < 1.5
@@ -81,7 +89,45 @@ def test_work_that_finished_with_an_error_still_raises_it():
         comm.wait(_LateWork(RuntimeError("Connection closed by peer")))
 
 
-def dies_or_reports(rank: int, comm: Collectives) -> dict:
+class _DeviceWork:
+    """A work item as NCCL's behaves: ``is_completed`` turns true when the device is done
+    (here after ``polls`` looks), also when it failed; ``wait`` never blocks the host, and
+    raises the work's error. (``wait`` before completion would only order a stream.)"""
+
+    def __init__(self, polls: int, error: Exception | None = None):
+        self.polls, self.error, self.waited = polls, error, False
+
+    def is_completed(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+    def wait(self, timeout=None):
+        assert timeout is None, "a device work's wait takes no timeout"
+        self.waited = True
+        if self.error is not None:
+            raise self.error
+
+
+def test_polling_waits_for_completion_and_then_orders_the_stream():
+    comm = Collectives.single()
+    comm.poll_completion = True
+    work = _DeviceWork(polls=5)
+    comm.wait(work)
+    assert work.polls == 0 and work.waited
+
+
+def test_polling_surfaces_the_error_of_a_failed_collective():
+    # An aborted NCCL communicator completes its pending work with an error: the survivor
+    # must see it, not train on what the collective left in its buffers.
+    comm = Collectives.single()
+    comm.poll_completion = True
+    with pytest.raises(RuntimeError, match="aborted") as raised:
+        comm.wait(_DeviceWork(polls=2, error=RuntimeError("NCCL communicator was aborted")))
+    assert failure_reason(raised.value).startswith("its communicator was aborted")
+
+
+def dies_or_reports(rank: int, comm: Collectives, poll_completion: bool) -> dict:
+    comm.poll_completion = poll_completion
     comm.all_reduce_sum_(torch.ones(3))  # both are in the group
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # a lost node: the process vanishes
@@ -94,8 +140,10 @@ def dies_or_reports(rank: int, comm: Collectives) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_dead_peer_is_reported_in_our_words_not_the_backends():
-    rank0, _ = run_gloo(dies_or_reports, world_size=2, timeout_s=20, allow_dead={1})
+@POLLING
+def test_a_dead_peer_is_reported_in_our_words_not_the_backends(poll_completion):
+    rank0, _ = run_gloo(dies_or_reports, world_size=2, timeout_s=20, allow_dead={1},
+                        args=(poll_completion,))
     assert rank0["reason"] == "a peer went away (its process died or left the group)"
     assert rank0["raw"] != rank0["reason"]
 

@@ -12,6 +12,7 @@ pytest.importorskip("kubernetes")  # the coordinator talks to the API server
 
 import torch.distributed as dist  # noqa: E402
 from lazarus_core.controller import STALLED, Progress  # noqa: E402
+from lazarus_core.plan import member_name  # noqa: E402
 from lazarus_core.solver import plan_job, replan  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
 
@@ -66,10 +67,10 @@ def running(chan, plans, progress, **options) -> ClusterCoordinator:
     coord = ClusterCoordinator(chan, plans, progress, **options)
     plans.published = Published(first_plan(), frozenset())
     for n in NODES[:3]:
-        chan.hello(n.name, Hello(n.name))
+        chan.hello(member_name(n.name, 0), Hello(n.name))
     coord.tick()
     assert chan.latest() == 0, "published before every worker said hello"
-    chan.hello(NODES[3].name, Hello(NODES[3].name))
+    chan.hello(member_name(NODES[3].name, 0), Hello(NODES[3].name))
     coord.tick()
     assert chan.latest() == 1
     for _ in NODES:
@@ -109,7 +110,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
     prepare(chan, 1, 1, world=4)
     coord.tick()  # the joiner has not said hello: step 1 commits under generation 1
     assert chan.latest() == 1 and chan.store.get("lazarus/commit/1/1") == b"1"
-    chan.hello("n4", Hello("n4"))
+    chan.hello("n4/0", Hello("n4"))
     coord.tick()
     assert chan.latest() == 1, "growth must wait for a step boundary"
     prepare(chan, 1, 2, world=4)
@@ -118,7 +119,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
     # Step 2 is committed and, in the same breath, the workers are sent to generation 2.
     assert chan.store.get("lazarus/commit/1/2") == b"2" and chan.latest() == 2
     directive = chan.directive(2)
-    assert directive.start_step == 3 and directive.joiners == ("n4",)
+    assert directive.start_step == 3 and directive.joiners == ("n4/0",)
     assert [p.step for p in progress.reports] == [1, 2]
 
 
@@ -155,10 +156,11 @@ def test_a_replacement_coordinator_carries_on_from_what_the_workers_hold(job):
     layout = {n.name: tuple(tuple(sorted(set(layer.placement[i]))) for layer in plan.layers)
               for i, n in enumerate(plan.nodes)}
     for n in NODES[:3]:
-        chan.hello(n.name, Hello(f"{n.name}-2", committed=8, holdings=layout[n.name]))
+        chan.hello(member_name(n.name, 0),
+                   Hello(f"{n.name}-2", committed=8, holdings=layout[n.name]))
     coord.tick()
     assert chan.latest() == 0, "decided before every worker reconnected"
-    chan.hello("n3", Hello("n3-2", committed=7, prepared=8, holdings=layout["n3"]))
+    chan.hello("n3/0", Hello("n3-2", committed=7, prepared=8, holdings=layout["n3"]))
     coord.tick()
 
     d = chan.directive(1)
@@ -175,12 +177,12 @@ def test_a_replacement_reports_the_workers_that_never_reconnect(job, monkeypatch
     plans.published = Published(first_plan(), frozenset())
     coord = ClusterCoordinator(chan, plans, state, record=Progress(step=7, generation=1))
     for n in NODES[:3]:
-        chan.hello(n.name, Hello(n.name, committed=7, holdings=((0,), (0,))))
+        chan.hello(member_name(n.name, 0), Hello(n.name, committed=7, holdings=((0,), (0,))))
     coord.tick()
     assert state.suspects == {}
     coord.started -= cc.RECONNECT_WAIT_S + 1  # the wait is over
     coord.tick()
-    assert list(state.suspects) == ["n3"] and "did not reconnect" in state.suspects["n3"]
+    assert list(state.suspects) == ["n3/0"] and "did not reconnect" in state.suspects["n3/0"]
     assert chan.latest() == 0  # the operator re-plans without n3; nothing is published yet
 
 
@@ -188,12 +190,30 @@ def test_a_predecessors_lost_worker_stays_lost_until_it_beats_again(job):
     from lazarus_core.liveness import Beat
 
     chan, plans, _ = job
-    state = State(inherited={"n2": "no heartbeat for 3.0 s"})
+    state = State(inherited={"n2/0": "no heartbeat for 3.0 s"})
     plans.published = Published(first_plan(), frozenset())
     coord = ClusterCoordinator(chan, plans, state, record=Progress(step=3, generation=1))
     coord.tick()
-    assert state.suspects == {"n2": "no heartbeat for 3.0 s"}
-    chan.beat("n2", Beat(1, 0.0))
+    assert state.suspects == {"n2/0": "no heartbeat for 3.0 s"}
+    chan.beat("n2/0", Beat(1, 0.0))
     coord.steps._looked_at = 0.0  # the next tick reads the heartbeats
     coord.tick()
-    assert "n2" not in state.suspects
+    assert "n2/0" not in state.suspects
+
+
+def test_a_rank_its_agent_saw_exit_is_reported_lost_at_once_by_its_name(job):
+    chan, plans, state = job
+    coord = running(chan, plans, state)
+    chan.rank_exited("n1/0", -9)  # its GPU failed; its node agent goes on
+    coord.steps._looked_at = 0.0  # the next tick reads the store
+    coord.tick()
+    assert list(state.suspects) == ["n1/0"], state.suspects
+    assert "exited with status -9" in state.suspects["n1/0"]
+    # Unlike a silent worker, it is not forgotten: it will never come back.
+    import lazarus_runtime.cluster_coordinator as cc
+
+    coord.tick()
+    coord.lost_since["n1/0"] -= cc.FORGET_LOST_S + 1
+    coord.steps._looked_at = 0.0
+    coord.tick()
+    assert list(state.suspects) == ["n1/0"], state.suspects

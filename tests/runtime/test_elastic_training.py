@@ -117,6 +117,24 @@ def test_a_frozen_worker_is_dropped_from_its_heartbeats_and_taken_back_when_it_r
     assert reasons[0] == "NodeLost" and "NodeJoined" in reasons, (reasons, events)
     # Dropped after the silence bound (3 s), well within the 10 s the job may lose.
     assert result.reconfigurations[0]["seconds"] < 6.0, result.reconfigurations
-    assert any("worker-1 is lost: no heartbeat" in e for e in events), events
-    assert any("worker-1 is back" in e for e in events), events
+    assert any("worker-1/0 is lost: no heartbeat" in e for e in events), events
+    assert any("worker-1/0 is back" in e for e in events), events
     assert result.workers == 4  # taken back, as a joiner that got the state it missed
+
+
+def test_two_ranks_per_node_survive_a_lost_rank_then_a_lost_node(tmp_path, reference):
+    # 3 nodes, each a node agent with 2 rank processes (on the CPU here, as on a machine
+    # without GPUs). 3 slots per rank let the 3 ranks left after both failures hold the
+    # 4 experts x 2 replicas.
+    path = manifest(tmp_path, "ranks-per-node", gpusPerNode=2, slotsPerGpu=3, minNodes=1)
+    events = []
+    result = run(path, workers=3, events=events, kills=[
+        Fault(8, names=("worker-1/1",)),  # one rank: its GPU is lost, its node goes on
+        Fault(18, names=("worker-2",))])  # a whole node: its agent and both its ranks
+    assert_equivalent(result, reference)
+    assert [r["reason"] for r in result.reconfigurations] == ["GpuLost", "NodeLost"]
+    assert result.workers == 3  # ranks: worker-0's two and worker-1's survivor
+    # Its agent reported the rank at once; its heartbeats would have taken seconds.
+    assert any("worker-1/1 is lost: its process exited with status -9" in e for e in events)
+    assert result.reconfigurations[0]["seconds"] < 5.0, result.reconfigurations
+    assert result.checkpoint_restores == 0

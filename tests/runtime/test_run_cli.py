@@ -1,4 +1,6 @@
-"""`lazarus run` refuses bad manifests and flags before it starts any worker."""
+"""`lazarus run`: it refuses bad manifests and flags before it starts any worker, and runs a
+job of several ranks per node from the Python that runs it (``python -m lazarus_cli``)."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +11,8 @@ EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 
 
 def lazarus(*args):
-    return subprocess.run([sys.executable, "-m", "lazarus_cli.main", "run", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "lazarus_cli", "run", *args],
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.parametrize("args,field", [
@@ -19,6 +21,7 @@ def lazarus(*args):
     ([EXAMPLE, "--local", "--steps", "0"], "--steps"),
     ([EXAMPLE, "--local", "--kill", "0:1"], "--kill"),
     ([EXAMPLE, "--local", "--kill", "5:worker-7"], "--kill"),
+    ([EXAMPLE, "--local", "--kill", "5:worker-1/1"], "--kill"),  # gpusPerNode: 1
     ([EXAMPLE, "--local", "--kill", "50:1", "--steps", "10"], "--kill"),
     ([EXAMPLE, "--local", "--join", "1:1"], "--join"),
     ([EXAMPLE], "--local"),
@@ -37,3 +40,20 @@ def test_a_bad_manifest_names_the_field(tmp_path):
     out = lazarus(str(bad), "--local")
     assert out.returncode == 2
     assert "spec.minReplicas" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_per_node_train_and_a_killed_rank_costs_nothing(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(Path(EXAMPLE).read_text()
+                   .replace("gpusPerNode: 1", "gpusPerNode: 2")
+                   .replace("/tmp/lazarus/tiny", str(tmp_path / "ckpt")))
+    summary = tmp_path / "summary.json"
+    out = lazarus(str(job), "--local", "--workers", "2", "--steps", "12",
+                  "--kill", "6:worker-1/1", "--summary-json", str(summary))
+    assert out.returncode == 0, out.stderr
+    assert "generation 1 (Initial): 2 workers (4 ranks)" in out.stderr, out.stderr
+    result = json.loads(summary.read_text())
+    assert result["steps_completed"] == 12 and result["samples_lost"] == 0
+    assert [r["reason"] for r in result["reconfigurations"]] == ["GpuLost"]
+    assert result["workers"] == 3  # ranks left: two on worker-0, one on worker-1

@@ -266,3 +266,62 @@ def test_a_job_that_trained_spec_steps_is_done_and_recovers_nothing_any_more():
     ready = next(x for x in c.status(state, [], "now")["conditions"] if x["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", c.SUCCEEDED)
     assert "20 steps" in ready["message"]
+
+
+def gpu_nodes(*names, gpus=2, slots=2):
+    return tuple(NodeSpec(n, gpus, slots, "a", "spot") for n in names)
+
+
+def test_a_lost_gpu_replans_its_node_on_the_gpus_left_at_once():
+    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2)
+    state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)),
+                     c.NodesJoined(gpu_nodes("n0", "n1", "n2")), T0).state
+    state = c.handle(state, c.Progress(step=4, generation=1), T0).state
+    live = [n.without_gpus({0}) if n.name == "n1" else n for n in gpu_nodes("n0", "n1", "n2")]
+    events = c.observe(state, live, ())
+    assert events == [c.GpusLost((live[1],))]
+    assert c.observe(state, gpu_nodes("n0", "n1", "n2"), ()) == []
+    out = c.handle_all(state, events, T0 + 1)
+    pub = _published(out)
+    assert (pub.plan.generation, pub.plan.reason) == (2, "GpuLost")
+    assert "n1 GPU 0" in pub.message
+    n1 = pub.plan.nodes[pub.plan.node_index("n1")]
+    assert n1.devices == (1,) and pub.plan.world_size == 5  # its other rank trains on
+    assert not out.state.stale and not violations(pub.plan)
+    assert c.observe(out.state, live, ()) == []  # nothing new: no second plan
+
+
+def test_a_plan_that_names_a_lost_gpu_is_stale_until_replaced():
+    spec = job(replicas=2, gpusPerNode=2, slotsPerGpu=2)
+    state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)),
+                     c.NodesJoined(gpu_nodes("n0", "n1")), T0).state
+    shrunk = dataclasses.replace(state, nodes=(state.nodes[0],
+                                               state.nodes[1].without_gpus({1})))
+    assert not state.stale and shrunk.stale
+
+
+def test_losing_gpus_below_the_slots_the_replicas_need_waits_for_capacity():
+    # 4 experts x 2 replicas need 8 slots; two nodes of 2 GPUs x 2 slots have exactly 8.
+    spec = job(replicas=2, gpusPerNode=2, slotsPerGpu=2)
+    state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)),
+                     c.NodesJoined(gpu_nodes("n0", "n1")), T0).state
+    out = c.handle(state, c.GpusLost((gpu_nodes("n1")[0].without_gpus({1}),)), T0 + 1)
+    assert _kinds(out) == ["Wait"]
+    assert "6 expert slots" in out.decisions[0].message and out.state.stale
+
+
+def test_a_gpu_whose_rank_resumes_rejoins_the_plan_at_a_step_boundary():
+    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2)
+    full = gpu_nodes("n0", "n1", "n2")
+    state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)), c.NodesJoined(full), T0).state
+    state = c.handle(state, c.Progress(step=4, generation=1), T0).state
+    frozen = [n.without_gpus({1}) if n.name == "n2" else n for n in full]
+    state = c.handle_all(state, c.observe(state, frozen, ()), T0 + 1).state  # generation 2
+    state = c.handle(state, c.Progress(step=5, generation=2), T0 + 2).state
+    events = c.observe(state, full, ())  # its rank beats again
+    assert events == [c.GpusBack((full[2],))]
+    out = c.handle_all(state, events, T0 + 3)
+    assert out.decisions == () and out.state.pending == "NodeJoined"  # not mid-step
+    pub = _published(c.handle(out.state, c.Progress(step=6, generation=2), T0 + 4))
+    assert pub.plan.generation == 3 and pub.plan.world_size == 6
+    assert pub.plan.nodes[pub.plan.node_index("n2")].devices in ((0, 1), (1, 0))

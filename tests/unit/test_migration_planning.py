@@ -103,3 +103,58 @@ def test_transfers_cover_exactly_the_missing_replicas():
         li, q = t.layer, new.node_index(t.destination)
         assert t.expert in new.layers[li].placement[q]
         assert t.expert not in holdings(old)[t.destination][li]
+
+
+def _gpu_plan(placements, devices=(0, 1)):
+    """One layer on node a (two GPUs, one slot each) and node b (one GPU, two slots)."""
+    from lazarus_core.plan import LayerPlan, Plan, PlanNode
+
+    nodes = (PlanNode("a", (0, 1), 1, devices=devices), PlanNode("b", (2,), 2))
+    counts = [0] * 3
+    for slots in placements:
+        for e in slots:
+            counts[e] += 1
+    return validate(Plan(generation=1, experts=3, min_replicas=1, policy="mro", nodes=nodes,
+                         layers=(LayerPlan(tuple(counts), tuple(map(tuple, placements))),)))
+
+
+def test_a_replica_needed_on_another_gpu_of_the_node_moves_between_its_gpus():
+    old = _gpu_plan([[0, 1], [2, 2]])  # a/0 holds 0, a/1 holds 1
+    new = _gpu_plan([[0, 0], [1, 2]])  # a/1 now needs 0, which only a/0 holds
+    members = set(old.members())
+    migration = plan_transfers(old.by_rank(), new.by_rank(), members)
+    assert {(t.expert, t.source, t.destination) for t in migration.transfers} == {
+        (0, "a/0", "a/1"), (1, "a/1", "b/0")}
+
+
+def test_ranks_stay_on_the_gpus_that_hold_what_they_need():
+    from lazarus_core.migration import map_devices
+
+    old = _gpu_plan([[0, 1], [2, 2]])
+    node = NodeSpec("a", gpus=2, slots_per_gpu=1)
+    # The position wants expert 1 on its first rank and 0 on its second: GPU 1, then GPU 0.
+    assert map_devices(old, node, [[1, 0]]) == (1, 0)
+    assert map_devices(old, node, [[0, 1]]) == (0, 1)  # unchanged: each GPU keeps its rank
+    swapped = _gpu_plan([[0, 1], [2, 2]], devices=(1, 0))  # GPU 1 held expert 0
+    assert map_devices(swapped, node, [[0, 1]]) == (1, 0)
+    # After GPU 0 failed, the node's one rank runs on GPU 1, whatever the position wants.
+    assert map_devices(old, node.without_gpus({0}), [[0]]) == (1,)
+    assert map_devices(old, NodeSpec("new", gpus=2), [[0, 1]]) == (0, 1)  # held nothing
+
+
+def test_a_lost_gpu_re_plans_its_node_on_the_gpus_left_and_moves_only_what_they_lack():
+    nodes = [NodeSpec(f"n{i}", gpus=2, slots_per_gpu=2) for i in range(4)]
+    old = plan_job(nodes, 6, 2, 2)
+    survivor = nodes[1].without_gpus({0})
+    now = [survivor if n.name == "n1" else n for n in nodes]
+    members = set(old.members()) - {"n1/0"}
+    new = replan(old, now, "GpuLost", {n.name for n in now}).plan
+    n1 = new.nodes[new.node_index("n1")]
+    assert (n1.devices, len(n1.ranks), new.world_size) == ((1,), 1, 7)
+    migration = plan_transfers(old.by_rank(), new.by_rank(), members)
+    assert migration.recoverable
+    before, after = holdings(old.by_rank()), holdings(new.by_rank())
+    needed = {(li, e, m) for m, layers in after.items() for li, es in enumerate(layers)
+              for e in es if m not in members or e not in before[m][li]}
+    assert {(t.layer, t.expert, t.destination) for t in migration.transfers} == needed
+    assert all(t.source != "n1/0" for t in migration.transfers)

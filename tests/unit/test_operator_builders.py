@@ -183,12 +183,16 @@ def test_observation_sorts_pods_into_live_starting_noticed_and_doomed():
     assert obs.used_indices == set(range(8))
 
 
-def test_a_worker_the_coordinator_found_lost_is_not_live_but_its_pod_is_kept():
-    nodes = {n: NodeInfo.from_manifest(_node(n)) for n in "ab"}
-    pods = [_pod("j-worker-0", "a", index=0), _pod("j-worker-1", "b", index=1)]
-    obs = observe_workers(pods, nodes, SPEC, suspects={"b"})
-    assert [n.name for n in obs.live] == ["a"]
-    assert obs.doomed == [] and obs.pod_on == {"a": "j-worker-0", "b": "j-worker-1"}
+def test_ranks_the_coordinator_found_lost_drop_their_gpus_but_their_pods_are_kept():
+    nodes = {n: NodeInfo.from_manifest(_node(n)) for n in "abc"}
+    pods = [_pod(f"j-worker-{i}", n, index=i) for i, n in enumerate("abc")]
+    # Both ranks of b (the node is lost), one of c (its GPU 0 is), and a name no coordinator
+    # writes (ignored rather than fatal).
+    obs = observe_workers(pods, nodes, SPEC, suspects={"b/0", "b/1", "c/0", "junk"})
+    assert [n.name for n in obs.live] == ["a", "c"]
+    assert obs.live[0].devices == (0, 1) and obs.live[1].devices == (1,)
+    assert obs.live[1].gpus == 1
+    assert obs.doomed == [] and set(obs.pod_on) == {"a", "b", "c"}
 
 
 def test_the_coordinator_is_replaced_when_its_process_pod_or_node_dies():

@@ -53,6 +53,39 @@ def test_wrong_types_and_versions_are_rejected_before_use():
         Plan.from_json("{")
 
 
+def test_each_rank_is_a_process_named_by_its_node_and_gpu():
+    plan = _plan()
+    node = plan.nodes[1]
+    assert node.devices == (0, 1)
+    assert plan.members()[f"{node.name}/1"] == node.ranks[1]
+    assert list(plan.members().values()) == list(range(plan.world_size))
+    # Plans written before nodes named their GPUs read as GPUs 0..n-1.
+    d = plan.to_dict()
+    for n in d["nodes"]:
+        del n["devices"]
+    assert Plan.from_dict(d) == plan
+
+
+def test_a_node_that_lost_a_gpu_names_the_gpus_left():
+    d = _plan().to_dict()
+    d["nodes"][0]["devices"] = [1, 1]
+    d["nodes"][2]["name"] = "a/b"
+    with pytest.raises(PlanError) as err:
+        Plan.from_dict(d)
+    fields = " ".join(err.value.violations)
+    assert "nodes[0].devices" in fields and "nodes[2].name" in fields
+
+
+def test_the_per_rank_view_holds_each_ranks_slots_under_its_process_name():
+    plan = _plan()
+    view = plan.by_rank()
+    assert view.world_size == plan.world_size == len(view.nodes)
+    assert [n.name for n in view.nodes] == list(plan.members())
+    for layer in range(len(plan.layers)):
+        for rank in range(plan.world_size):
+            assert view.rank_experts(layer, rank) == plan.rank_experts(layer, rank)
+
+
 def test_compact_encoding_round_trips_and_the_reader_takes_both():
     plan = _plan()
     compact = plan.to_compact_json()

@@ -14,19 +14,19 @@ the same input always gives the same output, and a backend can rebuild the state
 observes again. This module is the package's public face: backends import from here.
 """
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
-from .events import (Event, NodesJoined, NodesLost, Progress, RebalanceDue, SpecChanged,
-                     SpotNotice, Tick, WorkerFailed, observe)
-from .reasons import (INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN, SPEC_CHANGED,
-                      SPOT_NOTICE, STALLED, SUCCEEDED)
+from .events import (Event, GpusBack, GpusLost, NodesJoined, NodesLost, Progress,
+                     RebalanceDue, SpecChanged, SpotNotice, Tick, WorkerFailed, observe)
+from .reasons import (GPU_LOST, INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN,
+                      SPEC_CHANGED, SPOT_NOTICE, STALLED, SUCCEEDED)
 from .state import JobState, Settings, new_job
 from .status import conditions, lowest_replicas, status
 from .transitions import handle, handle_all, imbalance
 
 __all__ = [
     "Decision", "Outcome", "PublishPlan", "ReleaseWorkers", "Wait",
-    "Event", "NodesJoined", "NodesLost", "Progress", "RebalanceDue", "SpecChanged",
-    "SpotNotice", "Tick", "WorkerFailed", "observe",
-    "INITIAL", "NODE_JOINED", "NODE_LOST", "REBALANCE", "SCALE_DOWN", "SPEC_CHANGED",
+    "Event", "GpusBack", "GpusLost", "NodesJoined", "NodesLost", "Progress", "RebalanceDue",
+    "SpecChanged", "SpotNotice", "Tick", "WorkerFailed", "observe",
+    "GPU_LOST", "INITIAL", "NODE_JOINED", "NODE_LOST", "REBALANCE", "SCALE_DOWN", "SPEC_CHANGED",
     "SPOT_NOTICE", "STALLED", "SUCCEEDED",
     "JobState", "Settings", "new_job",
     "conditions", "lowest_replicas", "status",

@@ -17,6 +17,20 @@ class NodesLost:
 
 
 @dataclass(frozen=True)
+class GpusLost:
+    """These nodes live on with fewer usable GPUs (``NodeSpec.devices``): a GPU failed and
+    took its rank process with it."""
+    nodes: tuple[NodeSpec, ...]
+
+
+@dataclass(frozen=True)
+class GpusBack:
+    """These nodes have usable GPUs again whose rank had been lost (a frozen rank process
+    that resumed): they can be given their place in the plan again, as joining capacity."""
+    nodes: tuple[NodeSpec, ...]
+
+
+@dataclass(frozen=True)
 class SpotNotice:
     """These nodes will be reclaimed soon but are still alive."""
     names: tuple[str, ...]
@@ -78,22 +92,33 @@ class Tick:
     """Time has passed; lets the core act on deadlines it asked for (``Outcome.retry_at``)."""
 
 
-Event = Union[NodesLost, SpotNotice, NodesJoined, Progress, WorkerFailed, RebalanceDue,
-              SpecChanged, Tick]
+Event = Union[NodesLost, GpusLost, GpusBack, SpotNotice, NodesJoined, Progress, WorkerFailed,
+              RebalanceDue, SpecChanged, Tick]
 
 
 def observe(state: JobState, live: Sequence[NodeSpec], noticed: Iterable[str]) -> list[Event]:
     """Events that turn ``state`` into what a level-triggered backend observes now.
 
-    ``live`` are the nodes with a running worker; ``noticed`` the nodes under a spot notice.
+    ``live`` are the nodes with a running worker, each with the GPUs whose rank still runs;
+    ``noticed`` the nodes under a spot notice.
     """
     live_names = {n.name for n in live}
     lost = tuple(sorted(state.alive - live_names))
     joined = tuple(n for n in sorted(live, key=lambda n: n.name) if n.name not in state.alive)
+    known = {n.name: n for n in state.nodes}
+    ordered = sorted(live, key=lambda n: n.name)
+    shrunk = tuple(n for n in ordered if n.name in known
+                   and not set(known[n.name].devices) <= set(n.devices))
+    grown = tuple(n for n in ordered if n.name in known
+                  and set(known[n.name].devices) < set(n.devices))
     notices = tuple(sorted((set(noticed) & live_names) - state.noticed))
     events: list[Event] = []
     if lost:
         events.append(NodesLost(lost))
+    if shrunk:
+        events.append(GpusLost(shrunk))
+    if grown:
+        events.append(GpusBack(grown))
     if notices:
         events.append(SpotNotice(notices))
     if joined:

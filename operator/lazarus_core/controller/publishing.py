@@ -19,6 +19,13 @@ def publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
                     f"{why}: only {len(chosen)} usable nodes, the job needs {spec.fewest_nodes}; "
                     f"waiting for capacity")
         return Outcome(state, (wait,))
+    slots = sum(n.slots for n in chosen)
+    if slots < spec.experts * spec.min_replicas:  # nodes that lost GPUs hold fewer slots
+        wait = Wait("WaitingForNodes",
+                    f"{why}: the usable GPUs hold {slots} expert slots, {spec.experts} experts "
+                    f"x {spec.min_replicas} replicas need {spec.experts * spec.min_replicas}; "
+                    f"waiting for capacity")
+        return Outcome(state, (wait,))
     loads = as_floats(state.loads) if state.loads is not None else None
     generation = state.plan.generation + 1 if state.plan else 1
     if state.plan is None:
@@ -64,8 +71,10 @@ def choose(state: JobState) -> list[NodeSpec]:
 
 
 def would_grow(state: JobState) -> bool:
-    in_plan = {n.name for n in state.plan.nodes} if state.plan else set()
-    return any(n.name not in in_plan for n in choose(state))
+    """The next plan would run ranks the current one does not: a new node, or a GPU of a
+    plan node back from a lost rank."""
+    in_plan = {(n.name, d) for n in state.plan.nodes for d in n.devices} if state.plan else set()
+    return any((n.name, d) not in in_plan for n in choose(state) for d in n.devices)
 
 
 def as_floats(loads) -> list[list[float]]:

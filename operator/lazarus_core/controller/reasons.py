@@ -4,6 +4,8 @@ from __future__ import annotations
 
 INITIAL = "Initial"
 NODE_LOST = "NodeLost"
+# A GPU failed and its rank with it; the node's other ranks train on.
+GPU_LOST = "GpuLost"
 SPOT_NOTICE = "SpotNotice"
 NODE_JOINED = "NodeJoined"
 REBALANCE = "Rebalance"

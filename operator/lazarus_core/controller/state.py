@@ -80,9 +80,13 @@ class JobState:
 
     @property
     def stale(self) -> bool:
-        """The published plan names a node whose worker is gone: the workers are stuck."""
-        return self.plan is not None and any(
-            n.name not in self.alive or n.name in self.departed for n in self.plan.nodes)
+        """The published plan names a node whose worker is gone, or a GPU whose rank is:
+        the workers are stuck."""
+        if self.plan is None:
+            return False
+        live = {n.name: set(n.devices) for n in self.nodes}
+        return any(n.name not in live or n.name in self.departed
+                   or not set(n.devices) <= live[n.name] for n in self.plan.nodes)
 
     def missing_workers(self, starting: int = 0, now: float | None = None) -> int:
         """Workers to start toward the target, given ``starting`` ones not yet up (none

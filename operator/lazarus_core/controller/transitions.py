@@ -1,7 +1,8 @@
 """The job state machine: the next state, and what to do, for each event.
 
 Timing rules (design.md, "Rebalancing"):
-- a lost node is acted on at once: the workers are stuck until the new plan arrives;
+- a lost node is acted on at once: the workers are stuck until the new plan arrives; so is
+  a lost GPU (its rank is gone, and the node's other ranks wait on it);
 - a spot notice is acted on at once too, while the doomed node can still send its experts;
 - growth and rebalancing take effect at a step boundary: while the job trains, they wait
   for the next progress report (which marks a completed step).
@@ -19,11 +20,11 @@ from ..job_spec import JobSpec, SpecError, Violation
 from ..solver import allocate_layers
 from ..topology import NodeSpec
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
-from .events import (Event, NodesJoined, NodesLost, Progress, RebalanceDue, SpecChanged,
-                     SpotNotice, Tick, WorkerFailed)
+from .events import (Event, GpusBack, GpusLost, NodesJoined, NodesLost, Progress,
+                     RebalanceDue, SpecChanged, SpotNotice, Tick, WorkerFailed)
 from .publishing import as_floats, choose, names, publish, usable, would_grow
-from .reasons import (INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN, SPEC_CHANGED,
-                      SPOT_NOTICE, STALLED)
+from .reasons import (GPU_LOST, INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN,
+                      SPEC_CHANGED, SPOT_NOTICE, STALLED)
 from .state import JobState
 
 
@@ -33,6 +34,10 @@ def handle(state: JobState, event: Event, now: float) -> Outcome:
         return Outcome(state)  # its workers are gone on purpose: nothing to recover
     if isinstance(event, NodesLost):
         return _on_lost(state, set(event.names), now)
+    if isinstance(event, GpusLost):
+        return _on_gpus_lost(state, event.nodes, now)
+    if isinstance(event, GpusBack):
+        return _on_gpus_back(state, event.nodes, now)
     if isinstance(event, SpotNotice):
         return _on_notice(state, set(event.names), now)
     if isinstance(event, NodesJoined):
@@ -101,6 +106,34 @@ def _on_lost(state: JobState, lost: set[str], now: float) -> Outcome:
     return publish(state, NODE_LOST, now, f"lost {names(lost)}")
 
 
+def _on_gpus_lost(state: JobState, shrunk: Sequence[NodeSpec], now: float) -> Outcome:
+    known = {n.name: n for n in state.nodes}
+    shrunk = [n for n in shrunk
+              if n.name in known and not set(known[n.name].devices) <= set(n.devices)]
+    if not shrunk:
+        return Outcome(state)
+    fewer = {n.name: n for n in shrunk}
+    state = dataclasses.replace(state, nodes=tuple(fewer.get(n.name, n) for n in state.nodes))
+    if state.plan is None:
+        return _advance(state, now)
+    gone = {f"{n.name} GPU {d}" for n in shrunk for d in set(known[n.name].devices)
+            - set(n.devices)}
+    if not any(n.name in fewer for n in state.plan.nodes):
+        return Outcome(state)  # a node outside the plan: nothing to re-plan
+    return publish(state, GPU_LOST, now, f"lost {names(gone)}")
+
+
+def _on_gpus_back(state: JobState, grown: Sequence[NodeSpec], now: float) -> Outcome:
+    """GPUs whose rank resumed: capacity that joins, at a step boundary while training."""
+    known = {n.name: n for n in state.nodes}
+    more = {n.name: n for n in grown
+            if n.name in known and set(known[n.name].devices) < set(n.devices)}
+    if not more:
+        return Outcome(state)
+    state = dataclasses.replace(state, nodes=tuple(more.get(n.name, n) for n in state.nodes))
+    return _grown(state, now, f"GPUs of {names(more)} are back")
+
+
 def _on_notice(state: JobState, noticed: set[str], now: float) -> Outcome:
     # Not filtered by ``alive``: a notice may come before the node's worker has joined, and
     # the node must then never enter a plan.
@@ -118,13 +151,19 @@ def _on_joined(state: JobState, nodes: Sequence[NodeSpec], now: float) -> Outcom
     if not fresh:
         return Outcome(state)
     state = dataclasses.replace(state, nodes=state.nodes + tuple(fresh))
+    return _grown(state, now, f"{names(n.name for n in fresh)} joined")
+
+
+def _grown(state: JobState, now: float, why: str) -> Outcome:
+    """Capacity joined (``state`` holds it): plan into it at the next step boundary while
+    training, at once otherwise."""
     if state.plan is None or state.stale:
         return _advance(state, now)
     if not would_grow(state):
         return Outcome(state)
     if state.training:
         return Outcome(dataclasses.replace(state, pending=NODE_JOINED))
-    return publish(state, NODE_JOINED, now, f"{names(n.name for n in fresh)} joined")
+    return publish(state, NODE_JOINED, now, why)
 
 
 def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
