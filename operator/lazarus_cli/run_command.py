@@ -88,10 +88,8 @@ def run(args) -> int:
         raise ValueError(f"--kill: no worker named {', '.join(unknown)}; workers are "
                          f"worker-0 .. worker-{len(known) - 1}")
 
-    from lazarus_core.runtime_config import RuntimeConfig
     from lazarus_runtime.local_backend import LocalJob
 
-    RuntimeConfig.from_manifest(dict(spec.runtime))  # a bad runtime section fails here, once
     checkpoint_dir = None
     if spec.checkpoint:
         # A fresh directory per run: a restore must never pick up another run's weights.

@@ -2,44 +2,42 @@
 cannot check, given a condition naming the field, once, with no retry storm."""
 import pytest
 from kubernetes import client
+from lazarus_core.job_spec import SpecError, parse_manifest
 
+import bad_specs
+from bad_specs import ADMISSION, CONDITION
 from jobkit import make_job, settle
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.cluster
 
-# (what is wrong, spec overrides, a field path the API server's message must name)
-REJECTED_AT_ADMISSION = [
-    ("min above max", {"minNodes": 5, "maxNodes": 4}, "spec.minNodes"),
-    ("too few slots for f", {"maxNodes": 2, "minNodes": 1, "slotsPerGpu": 1, "minReplicas": 3},
-     "spec.maxNodes"),
-    ("unknown placement", {"placement": "random"}, "spec.placement"),
-    ("f of zero", {"minReplicas": 0}, "spec.minReplicas"),
-    ("a float node count", {"maxNodes": 4.5}, "spec.maxNodes"),
-    ("experts missing", {"runtime": {"model": "tiny", "experts": None, "layers": 2}},
-     "spec.runtime.experts"),
-    ("topK above experts", {"runtime": {"experts": 1, "layers": 2, "topK": 2}},
-     "spec.runtime.topK"),
-    ("relative checkpoint path", {"checkpoint": {"path": "ckpt/run1"}}, "spec.checkpoint.path"),
-    ("replicas beyond maxNodes", {"replicas": 9}, "spec.replicas"),
-    ("a string GPU count", {"gpusPerNode": "eight"}, "spec.gpusPerNode"),
-    ("no node range", {"minNodes": None}, "spec.minNodes"),
-]
+
+def _admitted(jobs, manifest: dict) -> tuple[bool, str]:
+    """Whether the API server stores the job (it is deleted again), or why it refused it."""
+    try:
+        jobs.create(manifest)
+    except client.ApiException as e:
+        assert e.status == 422, e.body  # refused by the schema or CEL, not malformed
+        return False, e.body
+    jobs.custom.delete_namespaced_custom_object(
+        "lazarus.dev", "v1alpha1", jobs.namespace, "lazarusjobs", manifest["metadata"]["name"])
+    return True, ""
 
 
-def _without_nulls(d):
-    return {k: _without_nulls(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
-
-
-@pytest.mark.parametrize("what, overrides, field", REJECTED_AT_ADMISSION,
-                         ids=[c[0] for c in REJECTED_AT_ADMISSION])
-def test_schema_and_cel_reject_with_the_field_named(jobs, lazarus_crds, what, overrides, field):
-    job = make_job("bad", jobs.namespace, **overrides)
-    job["spec"] = _without_nulls(job["spec"])
-    with pytest.raises(client.ApiException) as e:
-        jobs.create(job)
-    assert e.value.status == 422, e.value.body
-    assert field in e.value.body, f"{what}: {e.value.body}"
+@pytest.mark.parametrize("case", bad_specs.params())
+def test_the_api_server_and_the_parser_agree_on_every_bad_spec(jobs, lazarus_crds, case):
+    """The shared table (tests/bad_specs.py): the parser refuses each case, naming the field;
+    the API server refuses the admission cases naming the same field and stores the others,
+    which the operator then marks with a condition (test_a_bad_spec_gets_its_condition...)."""
+    manifest = case.apply(make_job("bad", jobs.namespace))
+    with pytest.raises(SpecError) as refused:
+        parse_manifest(manifest)
+    assert any(v.field.startswith(case.field) for v in refused.value.violations), refused.value
+    admitted, why = _admitted(jobs, manifest)
+    if case.where == ADMISSION:
+        assert not admitted and case.field in why, f"{case.id}: {why}"
+    elif case.where == CONDITION:
+        assert admitted, f"{case.id}: the API server refused what only the operator can check"
 
 
 def test_immutable_fields_cannot_change(jobs, lazarus_crds):

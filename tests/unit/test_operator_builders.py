@@ -18,7 +18,7 @@ SPEC = parse_spec({
     "spotNoticeTaints": [{"key": "karpenter.sh/disrupted"}],
     "coordinator": {"nodeSelector": {"pool": "cpu"}},
     "template": {"image": "img:1", "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
-                 "labels": {"team": "moe", "lazarus.dev/role": "not mine"},
+                 "labels": {"team": "moe", "lazarus.dev/role": "not-mine"},
                  "resources": {"limits": {"nvidia.com/gpu": 2}},
                  "tolerations": [{"key": "spot", "operator": "Exists"}],
                  "env": [{"name": "EXTRA", "value": "1"},
