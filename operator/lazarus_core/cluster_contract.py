@@ -7,6 +7,7 @@ both backends (worker pods, local processes) give workers the same ``training_en
 from __future__ import annotations
 
 import json
+import secrets
 
 from .job_spec import JobSpec
 
@@ -20,6 +21,16 @@ DRAINING_KEY = "draining.json"
 RESTORE_KEY = "restore.json"
 # JSON {step, generation, loads, checkpointStep} on the pod of rank 0.
 PROGRESS_ANNOTATION = f"{GROUP}/progress"
+# The job's key, which signs every message between the coordinator and the workers: the
+# variable the job's pods read it from, and the key of the job's Secret that holds it.
+JOB_KEY_ENV = "LAZARUS_JOB_KEY"
+JOB_KEY_SECRET_KEY = "key"
+
+
+def new_job_key() -> str:
+    """A fresh job key: 256 random bits as 64 hex digits (text, so it fits an environment
+    variable and a Secret as it is)."""
+    return secrets.token_hex(32)
 
 
 def training_env(spec: JobSpec, checkpoint_path: str | None = None) -> dict[str, str]:

@@ -12,6 +12,7 @@ reads it: an annotation on the pod of rank 0. One JSON line per event goes to st
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from kubernetes import client, config, watch
-from lazarus_core.cluster_contract import (DRAINING_KEY, JOB_LABEL, PLAN_KEY,
+from lazarus_core.cluster_contract import (DRAINING_KEY, JOB_KEY_ENV, JOB_LABEL, PLAN_KEY,
                                            PROGRESS_ANNOTATION, ROLE_LABEL)
 from lazarus_core.controller import STALLED
 from lazarus_core.plan import Plan, PlanError
@@ -154,7 +155,9 @@ class ClusterCoordinator:
         self.total_steps = total_steps
         self.plans = plans
         self.progress = progress
-        self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line))
+        # It runs as long as the job: only the last reconfigurations are kept in memory.
+        self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line),
+                                     keep_reconfigurations=16)
         self.pending: Published | None = None  # the newest plan, not published yet
         self.seen = 0
         self.stopping = threading.Event()
@@ -189,8 +192,7 @@ class ClusterCoordinator:
             self._publish(self.pending, boundary=prepared)
         else:
             self.steps.commit(prepared)
-        _, loss = self.steps.records[prepared.step]
-        emit("step", step=prepared.step, generation=prepared.generation, loss=loss)
+        emit("step", step=prepared.step, generation=prepared.generation, loss=prepared.loss)
         plan = self.steps.directive.plan
         self.progress.report(plan.nodes[0].name, {
             "step": prepared.step, "generation": prepared.generation,
@@ -237,22 +239,26 @@ def _kube_config() -> None:
 
 def main() -> int:
     """Environment (set by the operator): LAZARUS_JOB, LAZARUS_NAMESPACE,
-    LAZARUS_PLAN_CONFIGMAP, LAZARUS_COORDINATOR_PORT, and LAZARUS_STEPS for a job that ends
-    after that many steps."""
+    LAZARUS_PLAN_CONFIGMAP, LAZARUS_COORDINATOR_PORT, LAZARUS_JOB_KEY (from the job's
+    Secret: it signs the channel), and LAZARUS_STEPS for a job that ends after that many
+    steps."""
     logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     names = ("LAZARUS_JOB", "LAZARUS_NAMESPACE", "LAZARUS_PLAN_CONFIGMAP",
-             "LAZARUS_COORDINATOR_PORT")
+             "LAZARUS_COORDINATOR_PORT", JOB_KEY_ENV)
     missing = [v for v in names if not os.environ.get(v)]
     if missing:
         print(f"lazarus coordinator: error: {', '.join(missing)} not set; the operator "
               f"starts the coordinator pod of each LazarusJob", file=sys.stderr)
         return 2
-    job, namespace, plan_cm, port = (os.environ[v] for v in names)
+    job, namespace, plan_cm, port, key = (os.environ[v] for v in names)
     _kube_config()
     core = client.CoreV1Api()
-    store = dist.TCPStore("0.0.0.0", int(port), is_master=True, wait_for_workers=False)
-    coordinator = ClusterCoordinator(JobChannel(store),
+    # Its own reads never wait for a key (they check first): the timeout bounds the one
+    # read that can wait (see JobChannel.reports).
+    store = dist.TCPStore("0.0.0.0", int(port), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    coordinator = ClusterCoordinator(JobChannel(store, key, job),
                                      PlanFollower(core, namespace, plan_cm).start(),
                                      ProgressReporter(core, namespace, job).start(),
                                      int(os.environ["LAZARUS_STEPS"])

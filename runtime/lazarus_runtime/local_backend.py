@@ -14,6 +14,7 @@ job goes on from the last checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import random
 import signal
@@ -21,12 +22,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from lazarus_core import controller as core
-from lazarus_core.cluster_contract import training_env
+from lazarus_core.cluster_contract import JOB_KEY_ENV, new_job_key, training_env
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.topology import NodeSpec
@@ -74,6 +76,28 @@ class RunResult:
         return dataclasses.asdict(self)
 
 
+class StepLedger:
+    """Each committed step's loss and how many of its samples were lost or seen twice: what a
+    local run reports. 24 bytes a step; a restore that redoes steps truncates it to the
+    restored step, so every step counts as its last commit."""
+
+    def __init__(self, batches: StepBatches):
+        self.batches = batches
+        self.losses = array("d")
+        self.lost = array("q")
+        self.duplicated = array("q")
+
+    def record(self, step: int, sample_ids: list[int], loss: float) -> None:
+        for column in (self.losses, self.lost, self.duplicated):
+            del column[step - 1:]
+        assert len(self.losses) == step - 1, "steps are committed in order"
+        expected = set(self.batches.global_sample_ids(step).tolist())
+        ids = set(sample_ids)
+        self.losses.append(loss)
+        self.lost.append(len(expected - ids))
+        self.duplicated.append(len(sample_ids) - len(ids) + len(ids - expected))
+
+
 class LocalJob:
     def __init__(self, name: str, spec: JobSpec, workers: int, steps: int,
                  kills: list[Fault] = (), joins: list[tuple[int, int]] = (),
@@ -111,7 +135,8 @@ class LocalJob:
         # The environment a worker pod gets from the operator (lazarus_operator.builders).
         checkpoint = str(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         env = dict(os.environ, **self.worker_env, LAZARUS_COORDINATOR=f"127.0.0.1:{self.port}",
-                   LAZARUS_NODE_NAME=name, **training_env(self.spec, checkpoint))
+                   LAZARUS_NODE_NAME=name, LAZARUS_JOB=self.name, **{JOB_KEY_ENV: self.key},
+                   **training_env(self.spec, checkpoint))
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "lazarus_runtime.worker"], env=env,
             stdin=subprocess.DEVNULL)
@@ -156,10 +181,16 @@ class LocalJob:
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # The coordinator's own reads never wait for a key (they check first): the
+        # timeout bounds the one read that can wait (see JobChannel.reports).
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
         self.port = self.store.port
-        self.chan = JobChannel(self.store)
+        # A fresh key per run, handed to the workers only: the channel is signed with it.
+        self.key = new_job_key()
+        self.chan = JobChannel(self.store, self.key, self.name)
         self.steps_done = StepCoordinator(self.chan, self.on_event)
+        self.ledger = StepLedger(self.batches)
         self.procs: dict[str, subprocess.Popen] = {}
         self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
         self.failures = 0
@@ -193,7 +224,7 @@ class LocalJob:
                         and time.monotonic() - self.training_from >= 2 * self.duration_s):
                     # No new progress for a whole extra duration (a baseline that restarts
                     # more often than it trains): stop where it stands.
-                    self.steps = max(self.steps_done.records, default=0)
+                    self.steps = self.steps_done.highest_step
                     break
                 self._tick()
                 self._inject_timed_fault()
@@ -239,7 +270,8 @@ class LocalJob:
     def _complete(self, prepared: PreparedStep) -> None:
         """Every rank prepared the step: let the controller see it, then commit it."""
         step, reports = prepared.step, prepared.reports
-        if (self.duration_s is not None and step == max(self.steps_done.records)
+        self.ledger.record(step, prepared.sample_ids, prepared.loss)
+        if (self.duration_s is not None and step == self.steps_done.highest_step
                 and time.monotonic() - self.training_from >= self.duration_s):
             self.steps = step  # out of time: this step is the last
         progress = core.Progress(step=step, generation=prepared.generation,
@@ -328,22 +360,19 @@ class LocalJob:
                 "lowest_replicas": core.lowest_replicas(self.state)}
 
     def _result(self, wall: float, training: float) -> RunResult:
-        done = self.steps_done
-        lost = duplicated = 0
-        for step in range(1, self.steps + 1):
-            ids, _ = done.records.get(step, ([], 0.0))
-            expected = set(self.batches.global_sample_ids(step).tolist())
-            lost += len(expected - set(ids))
-            duplicated += len(ids) - len(set(ids)) + len(set(ids) - expected)
-        losses = [done.records[s][1] for s in sorted(done.records)]
+        done, ledger = self.steps_done, self.ledger
+        recorded = len(ledger.losses)
+        # A step never committed lost its whole batch.
+        unrecorded = max(0, self.steps - recorded) * self.batches.global_batch
         return RunResult(
-            steps_completed=len(done.records), failures=self.failures,
+            steps_completed=recorded, failures=self.failures,
             reconfigurations=done.summaries(), checkpoint_restores=done.restores,
-            samples_lost=lost, samples_duplicated=duplicated, steps_redone=done.redone,
-            losses=losses, workers=done.directive.plan.world_size if done.directive else 0,
+            samples_lost=sum(ledger.lost[:self.steps]) + unrecorded,
+            samples_duplicated=sum(ledger.duplicated[:self.steps]), steps_redone=done.redone,
+            losses=list(ledger.losses), workers=done.directive.plan.world_size if done.directive else 0,
             generation=done.generation, wall_seconds=round(wall, 3),
             training_seconds=round(training, 3),
-            tokens_per_second=round(len(done.records) * self.tokens_per_step / wall, 1))
+            tokens_per_second=round(recorded * self.tokens_per_step / wall, 1))
 
     def _shutdown(self) -> None:
         if hasattr(self, "chan"):

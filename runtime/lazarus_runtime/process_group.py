@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from .collectives import Collectives
+from .job_channel import group_store
 
 
 class JoinInterrupted(RuntimeError):
@@ -33,7 +34,7 @@ def join_generation(store: dist.Store, generation: int | str, rank: int, world_s
     """
     if world_size == 1:
         return Collectives.single()
-    scope = dist.PrefixStore(f"lazarus/gen{generation}", store)
+    scope = group_store(store, str(generation))
     scope.add("arrived", 1)
     deadline = time.monotonic() + timeout_s
     while scope.add("arrived", 0) < world_size:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lazarus_core.cluster_contract import JOB_KEY_ENV
 from lazarus_core.runtime_config import RuntimeConfig
 
 from . import checkpoint
@@ -58,9 +59,10 @@ class WorkerSettings:
 
 
 class Worker:
-    def __init__(self, store: dist.Store, node: str, cfg: RuntimeConfig,
+    def __init__(self, chan: JobChannel, node: str, cfg: RuntimeConfig,
                  settings: WorkerSettings):
-        self.chan = JobChannel(store)
+        self.chan = chan
+        store = chan.store
         self.store = store
         self.node = node
         self.cfg = cfg
@@ -80,7 +82,9 @@ class Worker:
             if generation is None:
                 return 0
             seen = generation
-            directive = self.chan.directive(generation)
+            directive = self.chan.wait_directive(generation, self.settings.plan_timeout_s)
+            if directive is None:
+                continue  # superseded before it could be read: take the newer one
             if self.node not in directive.exchange_ranks():
                 if self.engine is not None:
                     log.info("%s: not in generation %d, leaving", self.node, generation)
@@ -118,6 +122,7 @@ class Worker:
             if time.monotonic() > deadline:
                 raise ChannelTimeout(f"{self.node}: no plan after generation {seen} within "
                                      f"{self.settings.plan_timeout_s:.0f} s")
+            self.chan.guard()
             time.sleep(0.005)
 
     # --- taking a plan -------------------------------------------------------------------
@@ -145,7 +150,7 @@ class Worker:
                                           stepped=d.start_step > 1)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
                 raise GenerationEnded(f"expert transfers of generation {g}: {e}") from e
-        self.chan.fetched(g)
+        self.chan.fetched(g, self.node)
         if not self.chan.wait_adopted(g, self.settings.plan_timeout_s):
             raise GenerationEnded(f"generation {g} was superseded before every member "
                                   f"had its state")
@@ -239,14 +244,18 @@ class Worker:
         self.chan.checkpoint_written(d.generation, step, rank, info)
         if rank != 0:
             return
-        world = d.plan.world_size
-        done = self.chan.wait_until(
-            lambda: self.chan.checkpoint_count(d.generation, step) >= world,
-            self.settings.collective_timeout_s, f"checkpoint of step {step}",
-            interrupted=lambda: self.chan.latest() > d.generation)
-        if done:
-            checkpoint.write_manifest(self.settings.checkpoint_dir, step,
-                                      self.chan.checkpoint_shards(d.generation, step, world))
+        shards: list[list[dict]] = []
+
+        def written() -> bool:
+            got = self.chan.checkpoint_shards(d.generation, step, d.plan.world_size)
+            if got is not None:
+                shards.append(got)
+            return got is not None
+
+        if self.chan.wait_until(written, self.settings.collective_timeout_s,
+                                f"checkpoint of step {step}",
+                                interrupted=lambda: self.chan.latest() > d.generation):
+            checkpoint.write_manifest(self.settings.checkpoint_dir, step, shards[0])
             self.chan.set_checkpoint(step)
 
 
@@ -254,11 +263,13 @@ def main() -> int:
     """Environment, as the operator's worker pods (and the local backend) set it:
     LAZARUS_COORDINATOR (host:port of the coordinator's store), LAZARUS_NODE_NAME (the node
     this worker runs on: plans name nodes), LAZARUS_RUNTIME (``spec.runtime`` as JSON),
-    optionally LAZARUS_CHECKPOINT_PATH and LAZARUS_CHECKPOINT_EVERY_STEPS."""
+    LAZARUS_JOB and LAZARUS_JOB_KEY (the job's name and key: every message on the channel
+    is signed), optionally LAZARUS_CHECKPOINT_PATH and LAZARUS_CHECKPOINT_EVERY_STEPS."""
     logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(int(os.environ.get("LAZARUS_THREADS", "1")))
-    missing = [v for v in ("LAZARUS_COORDINATOR", "LAZARUS_NODE_NAME", "LAZARUS_RUNTIME")
+    missing = [v for v in ("LAZARUS_COORDINATOR", "LAZARUS_NODE_NAME", "LAZARUS_RUNTIME",
+                           "LAZARUS_JOB", JOB_KEY_ENV)
                if not os.environ.get(v)]
     if missing:
         print(f"lazarus worker: error: {', '.join(missing)} not set; a worker is started by "
@@ -275,7 +286,8 @@ def main() -> int:
     )
     store = dist.TCPStore(host, int(port), is_master=False,
                           timeout=datetime.timedelta(seconds=60))
-    return Worker(store, os.environ["LAZARUS_NODE_NAME"], cfg, settings).run()
+    chan = JobChannel(store, os.environ[JOB_KEY_ENV], os.environ["LAZARUS_JOB"])
+    return Worker(chan, os.environ["LAZARUS_NODE_NAME"], cfg, settings).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""A process without the job's key reaches the job's store while it trains: it writes stops,
+forges commits, directives, reports and checkpoints, bumps counters and deletes keys, over
+and over. The job trains on to the end and computes what it computes without it: the same
+loss at every step, no sample lost or seen twice."""
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+from lazarus_core.job_spec import parse_manifest
+
+from elastic_jobs import STEPS, manifest
+from lazarus_runtime.local_backend import LocalJob
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-4
+
+# What a hostile client does with the store, knowing its key layout but not the job's key.
+ATTACK = r"""
+import datetime, sys, time
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
+                      timeout=datetime.timedelta(seconds=30))
+fake_mac = "0" * 64
+rounds = 0
+while True:
+    store.set("lazarus/stop", "1")
+    store.set("lazarus/latest", "99")
+    store.set("lazarus/directive/99", fake_mac + '{"plan": {}, "start_step": 1}')
+    store.set("lazarus/checkpoint", fake_mac + "1000")
+    store.set("lazarus/hello/intruder", "1")
+    for generation in (1, 2):
+        store.set(f"lazarus/adopted/{generation + 1}", "1")
+        store.add(f"lazarus/fetched/{generation + 1}", 10)
+        for step in range(1, 40):
+            store.set(f"lazarus/commit/{generation}/{step}", str(generation + 1))
+            store.add(f"lazarus/prepared/{generation}/{step}", 10)
+            store.set(f"lazarus/report/{generation}/{step}/0", '{"loss": 0, "sample_ids": []}')
+    # Deleting what the coordinator wrote: its owner writes it back.
+    store.delete_key("lazarus/latest")
+    store.delete_key("lazarus/adopted/1")
+    rounds += 1
+    print(rounds, flush=True)
+    time.sleep(0.05)
+"""
+
+
+def run_job(path, attack: bool):
+    name, spec = parse_manifest(yaml.safe_load(path.read_text()))
+    job = LocalJob(name, spec, 2, STEPS, checkpoint_dir=path.parent / "ckpt" / name,
+                   timeout_s=240)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(job.run()))
+    runner.start()
+    attacker = None
+    if attack:
+        deadline = time.monotonic() + 60
+        while not hasattr(job, "port") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        attacker = subprocess.Popen([sys.executable, "-c", ATTACK, str(job.port)],
+                                    stdout=subprocess.PIPE, text=True)
+    runner.join(timeout=300)
+    rounds = 0
+    if attacker is not None:
+        attacker.kill()
+        rounds = len(attacker.communicate()[0].split())
+    assert result, "the job did not finish"
+    return result[0], job, rounds
+
+
+def test_a_hostile_store_client_changes_nothing(tmp_path):
+    reference, _, _ = run_job(manifest(tmp_path, "reference"), attack=False)
+    result, job, rounds = run_job(manifest(tmp_path, "attacked"), attack=True)
+
+    assert rounds >= 5, "the attacker must have had time to do its worst"
+    assert result.steps_completed == STEPS and result.generation == 1
+    assert result.samples_lost == 0 and result.samples_duplicated == 0
+    worst = max(abs(a - b) for a, b in zip(result.losses, reference.losses))
+    assert worst < TOLERANCE, (result.losses, reference.losses)
+    # The coordinator saw the forgeries and dropped them (the workers did too, in their logs).
+    assert job.chan.rejected > 0
