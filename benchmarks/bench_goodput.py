@@ -12,7 +12,7 @@ SIGKILLed every 30 s) under each strategy, in one invocation:
   last call for more nodes (30 s) whenever fewer than the maximum rejoin, as after every
   loss; and settings tuned for fast restarts (a 1 s last call, dead nodes dropped after
   2 s).
-- an idealised restart (``LocalJob(restart_on_failure=True)``): fresh processes restore the
+- an idealised restart (``RestartingLocalJob``): fresh processes restore the
   last checkpoint the moment the death is seen, with no rendezvous at all. No real launcher
   restarts faster; it bounds what any checkpoint-restart design could reach here.
 
@@ -42,7 +42,8 @@ from pathlib import Path
 
 import yaml
 from lazarus_core.runtime_config import RuntimeConfig
-from lazarus_runtime.local_backend import RunResult
+from lazarus_runtime.local_backend import LocalJob, RunResult
+from lazarus_runtime.restart_baseline import RestartingLocalJob
 
 from bench_recovery import EXAMPLE, SPEC, WORKERS, manifest, run_job
 from torchrun_baseline import FAST_RDZV, TorchrunRun, run_torchrun
@@ -88,7 +89,8 @@ def run_strategy(label: str, tmp: Path, name: str, args) -> Run:
             on_event=lambda line: print(f"  {name}: {line}", flush=True)))
     return Run.of_local(run_job(
         path, WORKERS, MAX_STEPS, kill_every_s=args.kill_every, duration_s=args.duration,
-        restart_on_failure=label == IDEAL, timeout_s=args.duration * 4))
+        job_class=RestartingLocalJob if label == IDEAL else LocalJob,
+        timeout_s=args.duration * 4))
 
 
 def main() -> None:

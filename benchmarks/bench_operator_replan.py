@@ -6,7 +6,7 @@ zones and one LazarusJob of J nodes. The real operator runs as a subprocess. Eac
 generation being readable in its ConfigMap; then new nodes are added and the job grows back
 before the next run. The operator's CPU time and peak memory are sampled throughout.
 
-    python benchmarks/bench_operator_replan.py [--nodes 1000] [--job-nodes 512] [--runs 5]
+    hack/bench.sh benchmarks/bench_operator_replan.py [--nodes 1000] [--job-nodes 512] [--runs 5]
 
 Prints a table. Targets (issue 6): p99 < 2 s, operator memory < 300 MiB.
 """
@@ -29,14 +29,12 @@ from pathlib import Path
 import psutil
 import yaml
 
+from lazarus_core.cluster_contract import GROUP, PLURAL, VERSION
+from testcluster import local
+from testcluster.kube import api_client
+from testcluster.nodepools import build_node, load_pools
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from testcluster import local  # noqa: E402
-from testcluster.kube import api_client  # noqa: E402
-from testcluster.nodepools import build_node, load_pools  # noqa: E402
-
-GROUP, VERSION, PLURAL = "lazarus.dev", "v1alpha1", "lazarusjobs"
 ZONES = 4
 
 

@@ -67,12 +67,13 @@ def manifest(tmp: Path, name: str, **spec) -> Path:
     return path
 
 
-def run_job(path: Path, workers: int, steps: int, **options) -> RunResult:
+def run_job(path: Path, workers: int, steps: int, job_class: type[LocalJob] = LocalJob,
+            **options) -> RunResult:
     """Run the job, printing its events under its name."""
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
-    return LocalJob(name, spec, workers, steps, checkpoint_dir=path.parent / "ckpt" / name,
-                    on_event=lambda line: print(f"  {name}: {line}", flush=True),
-                    **options).run()
+    return job_class(name, spec, workers, steps, checkpoint_dir=path.parent / "ckpt" / name,
+                     on_event=lambda line: print(f"  {name}: {line}", flush=True),
+                     **options).run()
 
 
 # --- plain gloo: how long survivors wait on a collective with a SIGKILLed peer ------------

@@ -102,7 +102,7 @@ up() {
   fi
   local venv
   venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
-  PYTHONPATH="$LAZARUS_ROOT/tests" "$venv/bin/python" -m testcluster.nodepools apply --kubeconfig "$kubeconfig" --since "$since"
+  "$venv/bin/python" -m testcluster.nodepools apply --kubeconfig "$kubeconfig" --since "$since"
   "${kubectl[@]}" wait node --selector lazarus.dev/pool --for condition=Ready --timeout 60s >/dev/null \
     || die "the simulated nodes did not become Ready in 60 s; see the logs in $cluster_dir/logs"
   log "cluster $name ready in $((SECONDS - start)) s; export KUBECONFIG=$kubeconfig"

@@ -12,4 +12,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 kubeconfig=${LAZARUS_TEST_KUBECONFIG:-$("$LAZARUS_ROOT/hack/cluster.sh" kubeconfig)}
 venv=$("$LAZARUS_ROOT/hack/ensure-venv.sh")
-PYTHONPATH="$LAZARUS_ROOT/tests" exec "$venv/bin/python" -m testcluster.faults --kubeconfig "$kubeconfig" "$@"
+exec "$venv/bin/python" -m testcluster.faults --kubeconfig "$kubeconfig" "$@"

@@ -53,7 +53,7 @@ up() {
     "$kind" export kubeconfig --name "$name" --kubeconfig "$kubeconfig"
   else
     config="$(dirname "$kubeconfig")/$name.config.json"
-    PYTHONPATH="$LAZARUS_ROOT/tests" "$venv/bin/python" -m testcluster.nodepools kind-config --name "$name" > "$config"
+    "$venv/bin/python" -m testcluster.nodepools kind-config --name "$name" > "$config"
     log "creating the kind cluster $name from $config"
     local start=$SECONDS
     "$kind" create cluster --name "$name" --config "$config" --kubeconfig "$kubeconfig" --wait 5m \
@@ -61,7 +61,7 @@ up() {
     log "created in $((SECONDS - start)) s"
   fi
   # No device plugin runs on kind's nodes, so the GPUs are written into the node status.
-  PYTHONPATH="$LAZARUS_ROOT/tests" "$venv/bin/python" -m testcluster.nodepools advertise-gpus --kubeconfig "$kubeconfig"
+  "$venv/bin/python" -m testcluster.nodepools advertise-gpus --kubeconfig "$kubeconfig"
   "$(kubectl_bin)" --kubeconfig "$kubeconfig" wait node --all --for condition=Ready --timeout 5m >/dev/null \
     || die "kind's nodes did not become Ready in 5 minutes; see 'docker logs $name-worker'"
   echo "$kubeconfig"

@@ -32,7 +32,7 @@ def register(sub) -> None:
 
 
 def parse_kills(text: str):
-    from lazarus_runtime.local_backend import Fault
+    from lazarus_runtime.local_faults import Fault
 
     faults = []
     for item in filter(None, text.split(",")):

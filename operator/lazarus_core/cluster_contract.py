@@ -1,46 +1,67 @@
-"""Names shared by the operator and the runtime on Kubernetes.
+"""Names shared by the operator and the runtime on Kubernetes, and the encodings of what
+they exchange through the API server.
 
 The operator publishes plans in a ConfigMap and reads progress from a pod annotation; the
-coordinator reads the one and writes the other. Both sides take the keys from here, and
-both backends (worker pods, local processes) give workers the same ``training_env``.
+coordinator reads the one and writes the other. Both sides take the names from here, and
+encode and decode the plan ConfigMap's data and the progress report with the functions
+below. (The processes' environment is the other contract: ``process_env``.)
 """
 from __future__ import annotations
 
 import json
-import secrets
+from collections.abc import Iterable, Mapping
 
-from .job_spec import JobSpec
+from .controller import Progress
+from .plan import Plan
+from .job_spec import API_VERSION, KIND  # noqa: F401 (the manifest's identity, defined there)
 
-GROUP = "lazarus.dev"
+GROUP, VERSION = API_VERSION.split("/")
+PLURAL = "lazarusjobs"
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
-# The plan ConfigMap's keys: the latest generation, the nodes out of it that still send
-# experts away (spot notice), and the checkpoint to restore when experts were lost.
+# The plan ConfigMap's keys: the latest generation, and the nodes out of it that still send
+# experts away (spot notice).
 PLAN_KEY = "plan.json"
 DRAINING_KEY = "draining.json"
-RESTORE_KEY = "restore.json"
-# JSON {step, generation, loads, checkpointStep} on the pod of rank 0.
+# A progress report (progress_json) on the pod of rank 0.
 PROGRESS_ANNOTATION = f"{GROUP}/progress"
-# The job's key, which signs every message between the coordinator and the workers: the
-# variable the job's pods read it from, and the key of the job's Secret that holds it.
-JOB_KEY_ENV = "LAZARUS_JOB_KEY"
-JOB_KEY_SECRET_KEY = "key"
 
 
-def new_job_key() -> str:
-    """A fresh job key: 256 random bits as 64 hex digits (text, so it fits an environment
-    variable and a Secret as it is)."""
-    return secrets.token_hex(32)
+def plan_configmap_data(plan: Plan, draining: Iterable[str] = ()) -> dict[str, str]:
+    """The published plan, and the nodes out of it whose workers still hold experts to
+    send (spot notice)."""
+    return {PLAN_KEY: plan.to_json(), DRAINING_KEY: json.dumps(sorted(draining))}
 
 
-def training_env(spec: JobSpec, checkpoint_path: str | None = None) -> dict[str, str]:
-    """What a worker reads to train (lazarus_runtime.worker.main), besides its coordinator
-    and its node: ``spec.runtime`` and the checkpoints (``checkpoint_path`` overrides
-    ``spec.checkpoint.path``)."""
-    env = {"LAZARUS_RUNTIME": json.dumps(dict(spec.runtime), sort_keys=True)}
-    path = checkpoint_path or (spec.checkpoint.path if spec.checkpoint else None)
-    if path:
-        env["LAZARUS_CHECKPOINT_PATH"] = path
-        env["LAZARUS_CHECKPOINT_EVERY_STEPS"] = str(
-            spec.checkpoint.every_steps if spec.checkpoint else 0)
-    return env
+def read_plan_configmap(data: Mapping[str, str]) -> tuple[Plan, frozenset[str]]:
+    """(plan, draining nodes); PlanError, KeyError or ValueError when it is unreadable."""
+    return Plan.from_json(data[PLAN_KEY]), frozenset(json.loads(data.get(DRAINING_KEY, "[]")))
+
+
+def progress_json(p: Progress) -> str:
+    return json.dumps({
+        "step": p.step, "generation": p.generation,
+        "loads": [list(layer) for layer in p.loads] if p.loads is not None else None,
+        "checkpointStep": p.checkpoint_step, "expertsMigrated": p.experts_migrated,
+        "restoredStep": p.restored_step, "expertsLost": p.experts_lost,
+        "restores": p.restores,
+    }, separators=(",", ":"))
+
+
+def read_progress(raw: str) -> Progress | None:
+    """The report in ``raw``, or None when it is malformed: a coordinator bug must not stop
+    the job; the report is ignored and the next one counts."""
+    try:
+        d = json.loads(raw)
+        loads = d.get("loads")
+        optional = lambda key: int(d[key]) if d.get(key) is not None else None  # noqa: E731
+        return Progress(
+            step=int(d["step"]), generation=int(d["generation"]),
+            loads=tuple(tuple(int(t) for t in layer) for layer in loads) if loads else None,
+            checkpoint_step=optional("checkpointStep"),
+            experts_migrated=int(d.get("expertsMigrated") or 0),
+            restored_step=optional("restoredStep"),
+            experts_lost=int(d.get("expertsLost") or 0),
+            restores=int(d.get("restores") or 0))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -1,35 +1,31 @@
 """Pure builders for the objects a LazarusJob owns: worker pods, the coordinator pod and its
-Service, the plan ConfigMap, the workers' headless Service. They take plain data and return
-manifests (dicts), so they are unit-tested without a cluster; the handlers decide when to
-apply them.
+Service, the plan ConfigMap, the workers' headless Service, and what keeps the job to
+itself: the key Secret, the coordinator's ServiceAccount and Role, and the NetworkPolicy.
+They take plain data and return manifests (dicts), so they are unit-tested without a
+cluster; the handlers decide when to apply them.
 
-The contract with the runtime (runtime/):
-- The coordinator pod (``python -m lazarus_runtime.cluster_coordinator``) follows the plan
-  ConfigMap (LAZARUS_PLAN_CONFIGMAP): ``plan.json`` is the latest generation, ``draining.json``
-  the nodes out of the plan whose workers still send their experts away (spot notice), and
-  ``restore.json``, present when the latest reconfiguration lost experts. It serves the
-  workers' rendezvous store on LAZARUS_COORDINATOR_PORT behind the Service
-  ``<job>-coordinator``, and reports progress by writing PROGRESS_ANNOTATION (JSON: step,
-  generation, loads, checkpointStep) on the pod of rank 0; the operator reads it there.
-- Each worker pod gets LAZARUS_COORDINATOR (host:port of that Service), LAZARUS_NODE_NAME
-  (downward API: plans name nodes), LAZARUS_RUNTIME (``spec.runtime`` as JSON),
-  LAZARUS_CHECKPOINT_PATH / _EVERY_STEPS, and for reference LAZARUS_JOB, LAZARUS_NAMESPACE,
-  LAZARUS_POD_NAME, LAZARUS_PLAN_CONFIGMAP and LAZARUS_WORKERS_SERVICE.
+Least privilege, pod by pod: containers run as non-root with no capabilities, no privilege
+escalation and a read-only root filesystem (scratch space is an emptyDir at /tmp); workers
+mount no ServiceAccount token (they never call the API server) unless the job names a
+ServiceAccount for them; the coordinator runs as its job's own ServiceAccount, whose Role
+reaches only that job's objects; the job's key, which signs every message between them
+(lazarus_runtime.job_channel), is in a Secret that only the job's pods reference.
+
+The contracts with the runtime are defined once in the core: the names of the objects the
+coordinator shares with the operator in ``lazarus_core.cluster_contract`` (the plan
+ConfigMap's keys, the progress annotation, the labels), and the processes' environment in
+``lazarus_core.process_env``.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
-# The names the coordinator pod shares; the operator's modules take them from here.
-from lazarus_core.cluster_contract import (DRAINING_KEY, GROUP, JOB_LABEL,  # noqa: F401
-                                           PLAN_KEY, PROGRESS_ANNOTATION, RESTORE_KEY,
-                                           ROLE_LABEL, training_env)
+from lazarus_core import process_env as penv
+from lazarus_core.cluster_contract import (API_VERSION, GROUP, JOB_LABEL, KIND, ROLE_LABEL,
+                                           plan_configmap_data)
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.plan import Plan
 
-VERSION = "v1alpha1"
-PLURAL = "lazarusjobs"
 INDEX_LABEL = f"{GROUP}/worker-index"
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
 DEFAULT_IMAGE = "ghcr.io/lazarus-moe/runtime:0.1.0"
@@ -37,6 +33,14 @@ DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.worker"]
 COORDINATOR_COMMAND = ["python", "-m", "lazarus_runtime.cluster_coordinator"]
 WORKER_PORT = 29500  # gloo/NCCL bootstrap
 COORDINATOR_PORT = 29400  # the coordinator's rendezvous store (c10d TCPStore)
+# The entry of the job's key Secret that holds the key.
+KEY_SECRET_ENTRY = "key"
+# Writable scratch space under a read-only root filesystem.
+SCRATCH_VOLUME = "lazarus-scratch"
+SCRATCH_PATH = "/tmp"
+_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                       "readOnlyRootFilesystem": True}
+_POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def plan_configmap_name(job: str) -> str:
@@ -48,8 +52,18 @@ def service_name(job: str) -> str:
 
 
 def coordinator_name(job: str) -> str:
-    """The coordinator's pod and Service."""
+    """The coordinator's pod and Service, and its ServiceAccount, Role and RoleBinding."""
     return f"{job}-coordinator"
+
+
+def key_secret_prefix(job: str) -> str:
+    """The key Secret's generateName: the API server adds a random suffix, so no object made
+    before the job can be taken for it (the name is kept in the job's status.keySecret)."""
+    return f"{job}-key-"
+
+
+def network_policy_name(job: str) -> str:
+    return f"{job}-network"
 
 
 def worker_name(job: str, index: int) -> str:
@@ -67,23 +81,20 @@ def _labels(job: str, role: str, template: Mapping) -> dict[str, str]:
         JOB_LABEL: job, ROLE_LABEL: role, "app.kubernetes.io/managed-by": "lazarus-operator"}
 
 
-def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
-                     generation: int, coordinator_port: int = COORDINATOR_PORT) -> dict:
-    """Worker pod ``index`` of ``job``: one per node, carrying where to find the coordinator."""
+def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int, generation: int,
+                     key_secret: str, coordinator_port: int = COORDINATOR_PORT) -> dict:
+    """Worker pod ``index`` of ``job``: one per node, carrying where to find the coordinator
+    and, from the Secret ``key_secret``, the job's key."""
     t: Mapping = spec.template
     name = worker_name(job, index)
-    env = [
-        {"name": "LAZARUS_COORDINATOR",
-         "value": f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"},
-        {"name": "LAZARUS_JOB", "value": job},
-        {"name": "LAZARUS_NAMESPACE", "value": namespace},
-        {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
-        {"name": "LAZARUS_WORKERS_SERVICE", "value": service_name(job)},
-        {"name": "LAZARUS_GPUS_PER_NODE", "value": str(spec.gpus_per_node)},
-        {"name": "LAZARUS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "LAZARUS_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-    ]
-    env += [{"name": k, "value": v} for k, v in training_env(spec).items()]
+    coordinator = f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"
+    env = [{"name": k, "value": v} for k, v in (penv.worker_env(spec, job, coordinator) | {
+        penv.NAMESPACE: namespace, penv.PLAN_CONFIGMAP: plan_configmap_name(job),
+        penv.WORKERS_SERVICE: service_name(job), penv.GPUS_PER_NODE: str(spec.gpus_per_node),
+    }).items()]
+    env += [{"name": penv.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": penv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            _key_env(key_secret)]
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
     container = {
@@ -93,14 +104,11 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": WORKER_PORT}],
         "resources": _quantities(t.get("resources", {})),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": dict(_CONTAINER_SECURITY),
+        "volumeMounts": list(t.get("volumeMounts", [])),
     }
-    for key in ("imagePullPolicy", "volumeMounts"):
-        if key in t:
-            container[key] = t[key]
+    if "imagePullPolicy" in t:
+        container["imagePullPolicy"] = t["imagePullPolicy"]
     pod_spec = {
         "containers": [container],
         # The operator replaces a failed worker with a fresh pod; a restart in place would
@@ -108,7 +116,10 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         "restartPolicy": "Never",
         "hostname": name,
         "subdomain": service_name(job),
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": dict(_POD_SECURITY),
+        # Workers never call the API server: no token, unless the job gives them an account
+        # of their own (e.g. for checkpoint storage credentials).
+        "automountServiceAccountToken": "serviceAccountName" in t,
         # One worker per node: a node is the failure domain the plan reasons about.
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
             "labelSelector": {"matchLabels": {JOB_LABEL: job, ROLE_LABEL: "worker"}},
@@ -117,11 +128,12 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
         "nodeSelector": dict(t.get("nodeSelector", {})),
         "tolerations": list(t.get("tolerations", [])),
         "enableServiceLinks": False,
+        "volumes": list(t.get("volumes", [])),
     }
-    for key, field in (("serviceAccountName", "serviceAccountName"),
-                       ("priorityClassName", "priorityClassName"), ("volumes", "volumes")):
+    for key in ("serviceAccountName", "priorityClassName"):
         if key in t:
-            pod_spec[field] = t[key]
+            pod_spec[key] = t[key]
+    _add_scratch(pod_spec, container)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -135,28 +147,37 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int,
     }
 
 
+def _key_env(key_secret: str) -> dict:
+    return {"name": penv.JOB_KEY,
+            "valueFrom": {"secretKeyRef": {"name": key_secret, "key": KEY_SECRET_ENTRY}}}
+
+
+def _add_scratch(pod_spec: dict, container: dict) -> None:
+    """An emptyDir at /tmp, unless the job mounts something of its own there."""
+    if any(m.get("mountPath") == SCRATCH_PATH for m in container["volumeMounts"]):
+        return
+    pod_spec["volumes"].append({"name": SCRATCH_VOLUME, "emptyDir": {}})
+    container["volumeMounts"].append({"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH})
+
+
 def _quantities(resources: Mapping) -> dict:
     """Resource quantities as strings, as the API's Quantity type wants (YAML gives ints)."""
     return {kind: {name: str(q) for name, q in (amounts or {}).items()}
             for kind, amounts in resources.items()}
 
 
-def build_coordinator_pod(job: str, namespace: str, spec: JobSpec,
+def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: str,
                           port: int = COORDINATOR_PORT) -> dict:
     """The job's coordinator: one small CPU pod that outlives worker losses. It asks for no
     GPU and by default tolerates none of the GPU or spot taints the workers tolerate, so it
-    lands on the cluster's regular (on-demand) nodes; ``spec.coordinator`` can pin it."""
+    lands on the cluster's regular (on-demand) nodes; ``spec.coordinator`` can pin it. It
+    runs as the job's own ServiceAccount (``build_coordinator_access``)."""
     t: Mapping = spec.template
     placement: Mapping = spec.coordinator
     name = coordinator_name(job)
-    env = [
-        {"name": "LAZARUS_JOB", "value": job},
-        {"name": "LAZARUS_NAMESPACE", "value": namespace},
-        {"name": "LAZARUS_PLAN_CONFIGMAP", "value": plan_configmap_name(job)},
-        {"name": "LAZARUS_COORDINATOR_PORT", "value": str(port)},
-    ]
-    if spec.steps is not None:
-        env.append({"name": "LAZARUS_STEPS", "value": str(spec.steps)})
+    env = [{"name": k, "value": v} for k, v in penv.coordinator_env(
+        job, namespace, plan_configmap_name(job), port, spec.steps).items()]
+    env.append(_key_env(key_secret))
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
     container = {
@@ -167,10 +188,8 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec,
         "ports": [{"name": "rendezvous", "containerPort": port}],
         "resources": _quantities(placement.get("resources")
                                  or {"requests": {"cpu": "500m", "memory": "512Mi"}}),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": dict(_CONTAINER_SECURITY),
+        "volumeMounts": [],
     }
     if "imagePullPolicy" in t:
         container["imagePullPolicy"] = t["imagePullPolicy"]
@@ -179,13 +198,15 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec,
         # Its store is the job's memory of this run: a restarted coordinator would not
         # know it, so it is not restarted in place.
         "restartPolicy": "Never",
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": dict(_POD_SECURITY),
+        "serviceAccountName": name,
+        "automountServiceAccountToken": True,  # it follows the plan through the API server
         "nodeSelector": dict(placement.get("nodeSelector", {})),
         "tolerations": list(placement.get("tolerations", [])),
         "enableServiceLinks": False,
+        "volumes": [],
     }
-    if "serviceAccountName" in t:
-        pod_spec["serviceAccountName"] = t["serviceAccountName"]
+    _add_scratch(pod_spec, container)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -210,14 +231,10 @@ def build_coordinator_service(job: str, namespace: str, port: int = COORDINATOR_
 
 
 def build_plan_configmap(job: str, namespace: str, plan: Plan,
-                         restore: Mapping | None = None,
                          draining: tuple[str, ...] = ()) -> dict:
-    """The published plan. ``restore`` (generation, step, lost) is present only when the
-    workers of this generation must reload a checkpoint; ``draining``: the nodes out of
-    the plan whose workers still hold experts to send (spot notice)."""
-    data = {PLAN_KEY: plan.to_json(), DRAINING_KEY: json.dumps(sorted(draining))}
-    if restore is not None:
-        data[RESTORE_KEY] = json.dumps(dict(restore), sort_keys=True)
+    """The published plan; ``draining``: the nodes out of the plan whose workers still hold
+    experts to send (spot notice)."""
+    data = plan_configmap_data(plan, draining)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -249,6 +266,65 @@ def build_workers_service(job: str, namespace: str) -> dict:
     }
 
 
+def build_key_secret(job: str, namespace: str, key: str) -> dict:
+    """The job's key (``process_env.new_job_key``), which only the job's pods reference."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"generateName": key_secret_prefix(job), "namespace": namespace,
+                     "labels": {JOB_LABEL: job}},
+        "type": "Opaque",
+        "stringData": {KEY_SECRET_ENTRY: key},
+    }
+
+
+def build_coordinator_access(job: str, namespace: str) -> list[dict]:
+    """The coordinator's ServiceAccount, and a Role bound to it that reaches only what the
+    coordinator of this job uses."""
+    name = coordinator_name(job)
+    meta = {"name": name, "namespace": namespace, "labels": {JOB_LABEL: job}}
+    rules = [
+        # Follow the job's plan: its one ConfigMap, by name (a watch with a metadata.name
+        # field selector is allowed by resourceNames).
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"],
+         "resourceNames": [plan_configmap_name(job)]},
+        # Report progress on the pod of rank 0 (PROGRESS_ANNOTATION), found by its node.
+        # Worker pods come and go under new names, so this cannot be narrowed to them by
+        # name; when progress moves to an object of the job's own (issue #14), this rule
+        # moves to that object, by name.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch"]},
+    ]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta),
+         "automountServiceAccountToken": False},  # only the coordinator pod mounts it
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
+         "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": dict(meta),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+    ]
+
+
+def build_network_policy(job: str, namespace: str) -> dict:
+    """Only the job's own pods may connect to its pods: the coordinator's store and the
+    workers' collectives (gloo picks its ports at run time, so every port is covered).
+    Nothing else needs to: the operator talks to the API server, never to the pods.
+
+    A NetworkPolicy selects by labels, which whoever may create pods in the namespace can
+    copy; the job's key (every message is signed) is what holds against such a pod. The
+    policy takes effect only on a cluster whose network plugin enforces NetworkPolicy."""
+    job_pods = {"matchLabels": {JOB_LABEL: job}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": network_policy_name(job), "namespace": namespace,
+                     "labels": {JOB_LABEL: job}},
+        "spec": {"podSelector": job_pods, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": job_pods}]}]},
+    }
+
+
 def build_event(job_ref: Mapping, reason: str, message: str, kind: str, now_iso: str,
                 name: str) -> dict:
     """A core/v1 Event on the job (``kubectl describe lazarusjob`` shows it)."""
@@ -256,7 +332,7 @@ def build_event(job_ref: Mapping, reason: str, message: str, kind: str, now_iso:
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": name, "namespace": job_ref["namespace"]},
-        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LazarusJob",
+        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND,
                            "name": job_ref["name"], "namespace": job_ref["namespace"],
                            "uid": job_ref["uid"]},
         "reason": reason,

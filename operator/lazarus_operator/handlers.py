@@ -7,18 +7,20 @@ pool, where the blocking Kubernetes client is fine.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+import time
 
 import kopf
 from kubernetes import client, config
 
+from lazarus_core.cluster_contract import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION
 from lazarus_core.controller import Settings
 from lazarus_core.job_spec import SpecError, parse_spec
 
 from . import builders
+from .kube_api import rfc3339
 from .reconciler import Reconciler
 
-JOBS = f"{builders.PLURAL}.{builders.VERSION}.{builders.GROUP}"
+JOBS = f"{PLURAL}.{VERSION}.{GROUP}"
 # No kopf timer or daemon on jobs: kopf puts a finalizer on every object that has one, and a
 # job would then outlive an uninstalled operator (and block its namespace's deletion). The
 # reconciler schedules its own retries and a periodic pass per job.
@@ -58,7 +60,7 @@ def job_spec_changed(spec: kopf.Spec, name: str, namespace: str, status: kopf.St
     except SpecError as e:
         patch.status["conditions"] = [{
             "type": "Ready", "status": "False", "reason": e.reason, "message": str(e),
-            "lastTransitionTime": _now(), "observedGeneration": meta.get("generation"),
+            "lastTransitionTime": rfc3339(time.time()), "observedGeneration": meta.get("generation"),
         }]
         patch.status["observedGeneration"] = meta.get("generation")
         raise kopf.PermanentError(str(e))
@@ -72,12 +74,12 @@ def job_event(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo, 
         memo.reconciler.forget(namespace, name)
 
 
-@kopf.on.event("pods", labels={builders.JOB_LABEL: kopf.PRESENT, builders.ROLE_LABEL: "worker"})
+@kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: "worker"})
 def worker_pod_event(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
                      memo: kopf.Memo, **_) -> None:
     """Deleted, failed, evicted, scheduled, running, a DisruptionTarget condition, progress."""
     if memo.reconciler.pod_changed(event["object"], deleted=event["type"] == "DELETED"):
-        memo.reconciler.request(namespace, labels[builders.JOB_LABEL])
+        memo.reconciler.request(namespace, labels[JOB_LABEL])
 
 
 @kopf.on.event("nodes")
@@ -87,6 +89,3 @@ def node_event(event: kopf.RawEvent, name: str, memo: kopf.Memo, **_) -> None:
     for namespace, job in memo.reconciler.node_changed(body, name):
         memo.reconciler.request_settled(namespace, job)
 
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -13,7 +13,9 @@ RECONFIGURATION_SECONDS = Histogram(
     "From observing a change to the new plan being published",
     _JOB, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
 EXPERTS_MIGRATED = Counter(
-    "lazarus_experts_migrated_total", "Expert replicas the published plans move", _JOB)
+    "lazarus_experts_migrated_total",
+    "Expert replicas the workers fetched from their peers to adopt a generation (as the "
+    "coordinator measured it)", _JOB)
 SOLVER_SECONDS = Histogram(
     "lazarus_solver_seconds", "Time in the controller core (placement, migration, recovery)",
     _JOB, buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
@@ -24,7 +26,8 @@ LOWEST_REPLICAS = Gauge(
     "lazarus_lowest_replicas", "Fewest live replicas of any expert in any layer", _JOB)
 CHECKPOINT_RESTORES = Counter(
     "lazarus_checkpoint_restores_total",
-    "Reconfigurations that lost every replica of some expert and restored a checkpoint", _JOB)
+    "Generations the workers adopted by restoring a checkpoint because some expert had lost "
+    "every replica (as the coordinator measured it)", _JOB)
 PLAN_GENERATION = Gauge("lazarus_plan_generation", "Latest published plan generation", _JOB)
 READY_NODES = Gauge("lazarus_ready_nodes", "Nodes of the current plan with a live worker", _JOB)
 

@@ -6,15 +6,15 @@ must be cleaned up, and the latest progress report. Unit-tested without a cluste
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lazarus_core.cluster_contract import PROGRESS_ANNOTATION, read_progress
 from lazarus_core.controller import Progress
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.topology import NodeSpec
 
-from .builders import INDEX_LABEL, PROGRESS_ANNOTATION
+from .builders import INDEX_LABEL
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 # Every cloud labels spot capacity its own way; any of these marks a node as spot.
@@ -137,16 +137,4 @@ def _disruption_target(status: Mapping) -> bool:
 
 def _progress(meta: Mapping) -> Progress | None:
     raw = (meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)
-    if not raw:
-        return None
-    try:
-        d = json.loads(raw)
-        loads = d.get("loads")
-        return Progress(
-            step=int(d["step"]), generation=int(d["generation"]),
-            loads=tuple(tuple(int(t) for t in layer) for layer in loads) if loads else None,
-            checkpoint_step=int(d["checkpointStep"]) if d.get("checkpointStep") is not None else None,
-        )
-    except (ValueError, KeyError, TypeError):
-        # A worker bug must not stop the job; the report is ignored and the next one counts.
-        return None
+    return read_progress(raw) if raw else None

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from kubernetes import client, config, watch
-from lazarus_core.cluster_contract import (DRAINING_KEY, JOB_KEY_ENV, JOB_LABEL, PLAN_KEY,
-                                           PROGRESS_ANNOTATION, ROLE_LABEL)
-from lazarus_core.controller import STALLED
+from lazarus_core import process_env as penv
+from lazarus_core.cluster_contract import (JOB_LABEL, PROGRESS_ANNOTATION, ROLE_LABEL,
+                                           progress_json, read_plan_configmap)
+from lazarus_core.controller import STALLED, Progress
 from lazarus_core.plan import Plan, PlanError
 
 from .coordination import PreparedStep, StepCoordinator
@@ -77,8 +78,7 @@ class PlanFollower:
 
     def _take(self, data: dict) -> None:
         try:
-            published = Published(Plan.from_json(data[PLAN_KEY]),
-                                  frozenset(json.loads(data.get(DRAINING_KEY, "[]"))))
+            published = Published(*read_plan_configmap(data))
         except (KeyError, ValueError, PlanError) as e:
             log.error("unreadable plan ConfigMap %s: %s", self.name, e)
             return
@@ -105,7 +105,7 @@ class ProgressReporter:
         threading.Thread(target=self._write, name="progress", daemon=True).start()
         return self
 
-    def report(self, node: str, progress: dict) -> None:
+    def report(self, node: str, progress: Progress) -> None:
         with self._ready:
             self._latest = (node, progress)
             self._ready.notify_all()
@@ -127,7 +127,7 @@ class ProgressReporter:
                 pod = self._pod_on(node)
                 if pod is not None:
                     self.core.patch_namespaced_pod(pod, self.namespace, {"metadata": {
-                        "annotations": {PROGRESS_ANNOTATION: json.dumps(progress)}}})
+                        "annotations": {PROGRESS_ANNOTATION: progress_json(progress)}}})
             except client.ApiException as e:
                 self._pods.pop(node, None)  # replaced or gone: look it up again next time
                 log.warning("could not report progress on %s's pod: %s", node, e.reason)
@@ -194,9 +194,7 @@ class ClusterCoordinator:
             self.steps.commit(prepared)
         emit("step", step=prepared.step, generation=prepared.generation, loss=prepared.loss)
         plan = self.steps.directive.plan
-        self.progress.report(plan.nodes[0].name, {
-            "step": prepared.step, "generation": prepared.generation,
-            "loads": prepared.reports[0].loads, "checkpointStep": self.chan.checkpoint()})
+        self.progress.report(plan.nodes[0].name, self.steps.progress(prepared))
         if last:
             self.progress.flush()  # the operator learns from it that the job is done
             emit("finished", step=prepared.step)
@@ -238,37 +236,28 @@ def _kube_config() -> None:
 
 
 def main() -> int:
-    """Environment (set by the operator): LAZARUS_JOB, LAZARUS_NAMESPACE,
-    LAZARUS_PLAN_CONFIGMAP, LAZARUS_COORDINATOR_PORT, LAZARUS_JOB_KEY (from the job's
-    Secret: it signs the channel), and LAZARUS_STEPS for a job that ends after that many
-    steps."""
-    logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(name)s %(message)s")
-    names = ("LAZARUS_JOB", "LAZARUS_NAMESPACE", "LAZARUS_PLAN_CONFIGMAP",
-             "LAZARUS_COORDINATOR_PORT", JOB_KEY_ENV)
-    missing = [v for v in names if not os.environ.get(v)]
-    if missing:
-        print(f"lazarus coordinator: error: {', '.join(missing)} not set; the operator "
-              f"starts the coordinator pod of each LazarusJob", file=sys.stderr)
+    """Configured by the environment the operator gives the coordinator pod
+    (``lazarus_core.process_env``)."""
+    try:
+        env = penv.read_coordinator_env(os.environ)
+    except penv.EnvError as e:
+        print(f"lazarus coordinator: error: {e}", file=sys.stderr)
         return 2
-    job, namespace, plan_cm, port, key = (os.environ[v] for v in names)
+    logging.basicConfig(level=env.log_level, format="%(asctime)s %(name)s %(message)s")
     _kube_config()
     core = client.CoreV1Api()
-    # Its own reads never wait for a key (they check first): the timeout bounds the one
-    # read that can wait (see JobChannel.reports).
-    store = dist.TCPStore("0.0.0.0", int(port), is_master=True, wait_for_workers=False,
+    # Its reads never wait for a key, but one (JobChannel.reports) can: this bounds it.
+    store = dist.TCPStore("0.0.0.0", env.port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
-    coordinator = ClusterCoordinator(JobChannel(store, key, job),
-                                     PlanFollower(core, namespace, plan_cm).start(),
-                                     ProgressReporter(core, namespace, job).start(),
-                                     int(os.environ["LAZARUS_STEPS"])
-                                     if os.environ.get("LAZARUS_STEPS") else None)
+    coordinator = ClusterCoordinator(JobChannel(store, env.key, env.job),
+                                     PlanFollower(core, env.namespace, env.plan_configmap).start(),
+                                     ProgressReporter(core, env.namespace, env.job).start(),
+                                     env.steps)
     # Deleting the job deletes this pod: tell the workers to stop rather than time out.
     signal.signal(signal.SIGTERM, lambda *_: coordinator.stopping.set())
-    emit("serving", port=int(port), job=job)
+    emit("serving", port=env.port, job=env.job)
     coordinator.run()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,6 +26,22 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not finish within the bound: a peer is gone or frozen."""
 
 
+def failure_reason(e: BaseException) -> str:
+    """Why a collective (or a group's rendezvous) ended, in our words; the backend's own
+    text (gloo's "Connection reset by peer ... GLHF!") is for debug logs."""
+    if isinstance(e, CollectiveInterrupted):
+        return "a new plan generation interrupted it"
+    if isinstance(e, CollectiveTimeout):
+        return str(e)
+    text = str(e).lower()
+    if any(s in text for s in ("connection reset", "connection closed", "broken pipe",
+                               "connection refused", "end of file")):
+        return "a peer went away (its process died or left the group)"
+    if "timed out" in text or "timeout" in text:
+        return "a peer did not answer in time"
+    return f"the process group failed ({type(e).__name__})"
+
+
 class Collectives:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
                  timeout_s: float = 60.0, interrupted: Callable[[], bool] = lambda: False,

@@ -1,9 +1,10 @@
 """The coordinator's side of the job channel, whatever runs the workers.
 
 A ``StepCoordinator`` turns plans into directives and drives the workers through them: it
-measures expert transfers against the layout the workers really hold (the last adopted
-plan), falls back to the checkpoint when some expert lost every replica, confirms adoption
-once every member fetched its state, and commits each step that every rank prepared. The
+decides the handover from the layout the workers really hold (``lazarus_core.handover``:
+the transfers, or a checkpoint restore when some expert lost every replica), confirms
+adoption once every member fetched its state, and commits each step that every rank
+prepared. The
 local backend feeds it plans from the controller core it runs itself; on Kubernetes the
 coordinator pod feeds it the plans the operator publishes. Both record the same timings.
 
@@ -18,7 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lazarus_core.migration import plan_transfers
+from lazarus_core.controller import Progress
+from lazarus_core.handover import plan_handover
 from lazarus_core.plan import Plan
 
 from .job_channel import Directive, JobChannel, StepReport
@@ -31,6 +33,7 @@ class Reconfiguration:
     members: int             # ranks that report timings for this generation
     experts_migrated: int
     restored_step: int | None
+    experts_lost: int
     fault_at: float          # when the fault happened (kill) or the change was decided
     detected_at: float
     published_at: float
@@ -94,7 +97,7 @@ class StepCoordinator:
         self.committed = 0
         # The furthest step ever prepared: a step at or below it is being redone.
         self.highest_step = 0
-        # The newest first; a long-running coordinator keeps the last few (None: all).
+        # In publication order; a long-running coordinator keeps the last few (None: all).
         self.reconfigs: deque[Reconfiguration] = deque(maxlen=keep_reconfigurations)
         self.restores = 0
         self.redone = 0
@@ -151,42 +154,26 @@ class StepCoordinator:
         With ``boundary`` the change happens between steps: that step is committed and the
         workers switch to ``plan`` right after it. Otherwise the switch is immediate and
         any step in flight is dropped and redone (its optimizer step was never applied)."""
-        held = self.adopted
         if boundary is not None:
             self.committed = boundary.step
             self._written(boundary)
         elif self.directive is not None:  # the step in flight is dropped: its keys go too
             self._steps.append((self.generation, self.committed + 1,
                                 self.directive.plan.world_size))
-        start_step = self.committed + 1
-        migrated, restored = 0, None
-        if held is None:
-            directive = Directive(plan, start_step=start_step)
-        else:
-            # Transfers from what the workers really hold: the last adopted plan (a plan
-            # published but interrupted before adoption never took effect).
-            sources = {n.name for n in held.nodes} & alive
-            migration = plan_transfers(held, plan, sources)
-            if migration.lost:
-                restored = self.chan.checkpoint() or 0
-                directive = Directive(plan, start_step=restored + 1, restore_step=restored)
-                self.restores += 1
-                self.on_event(f"{len(migration.lost)} (layer, expert) pairs lost every replica: "
-                              + (f"restoring the checkpoint of step {restored}" if restored
-                                 else "no checkpoint yet, restarting from step 0"))
-                self.committed = restored
-            else:
-                plan_names = {n.name for n in plan.nodes}
-                joiners = tuple(sorted(plan_names - sources))
-                senders = {t.source for t in migration.transfers}
-                directive = Directive(
-                    plan, start_step=start_step, transfers=migration.transfers,
-                    draining=tuple(sorted(senders - plan_names)), joiners=joiners,
-                    dense_source=min(sources & plan_names) if joiners else None)
-                migrated = migration.experts_migrated
+        handover = plan_handover(self.adopted, plan, alive, self.committed,
+                                 self.chan.checkpoint())
+        directive = Directive.of(plan, handover)
+        if handover.restore_step is not None:
+            restored = handover.restore_step
+            self.restores += 1
+            self.on_event(f"{len(handover.lost)} (layer, expert) pairs lost every replica: "
+                          + (f"restoring the checkpoint of step {restored}" if restored
+                             else "no checkpoint yet, restarting from step 0"))
+            self.committed = restored
         now = time.monotonic()
         self.reconfigs.append(Reconfiguration(
-            plan.generation, plan.reason, len(directive.exchange_ranks()), migrated, restored,
+            plan.generation, plan.reason, len(directive.exchange_ranks()),
+            handover.experts_migrated, handover.restore_step, len(handover.lost),
             fault_at=fault_at or detected_at or now, detected_at=detected_at or now,
             published_at=now))
         self.directive = directive
@@ -199,9 +186,19 @@ class StepCoordinator:
         self._generations.append(directive)
         self._prune()
         self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
-                      f"workers, {migrated} expert replicas migrated"
-                      + (f", restored step {restored}" if restored is not None else ""))
+                      f"workers, {handover.experts_migrated} expert replicas migrated"
+                      + (f", restored step {handover.restore_step}"
+                         if handover.restore_step is not None else ""))
         return directive
+
+    def progress(self, step: PreparedStep) -> Progress:
+        """The controller's progress event for ``step``: with the loads and the newest
+        checkpoint, what this coordinator did to bring the workers to its generation."""
+        r = next(r for r in reversed(self.reconfigs) if r.generation == step.generation)
+        return Progress(step=step.step, generation=step.generation,
+                        loads=step.reports[0].loads, checkpoint_step=self.chan.checkpoint(),
+                        experts_migrated=r.experts_migrated, restored_step=r.restored_step,
+                        experts_lost=r.experts_lost, restores=self.restores)
 
     def summaries(self) -> list[dict]:
         """The reconfigurations after the first plan, with the workers' own timings."""

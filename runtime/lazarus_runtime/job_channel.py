@@ -44,14 +44,15 @@ import hashlib
 import hmac
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
+from lazarus_core.handover import Handover
 from lazarus_core.plan import Plan, Transfer
+from lazarus_core.process_env import check_job_key
 
 log = logging.getLogger("lazarus.channel")
 
@@ -59,7 +60,6 @@ _PREFIX = "lazarus/"
 # The signature (hex HMAC-SHA256) comes first in every value; the payload follows it.
 _MAC_CHARS = 64
 _CONTEXT = b"lazarus.dev/job-channel/v1"
-_KEY_TEXT = re.compile(r"^[0-9a-f]{64,}$")
 # How many of the rejected (key, value) pairs are remembered, so each is logged once.
 _REJECTED_MEMORY = 1024
 
@@ -89,6 +89,12 @@ class Directive:
     # Plan nodes that hold no state yet, and the survivor that sends them the dense state.
     joiners: tuple[str, ...] = ()
     dense_source: str | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, handover: Handover) -> "Directive":
+        return cls(plan, start_step=handover.start_step, transfers=handover.transfers,
+                   draining=handover.draining, restore_step=handover.restore_step,
+                   joiners=handover.joiners, dense_source=handover.dense_source)
 
     @property
     def generation(self) -> int:
@@ -134,14 +140,12 @@ class StepReport:
 class JobChannel:
     """Signed reads and writes of the channel's keys (see the module docstring).
 
-    ``key`` is the job's key as text (64 or more hex digits, the form the job's Secret and
-    the LAZARUS_JOB_KEY variable hold); ``job`` is the job's name, also signed."""
+    ``key`` is the job's key as text (``process_env.new_job_key``: the form the job's
+    Secret and its pods' environment hold); ``job`` is the job's name, also signed."""
 
     def __init__(self, store: dist.Store, key: str, job: str, poll_s: float = 0.002,
                  guard_s: float = 0.5):
-        if not _KEY_TEXT.match(key or ""):
-            raise ValueError("the job key must be 64 or more lower-case hex digits "
-                             "(lazarus_core.cluster_contract.new_job_key makes one)")
+        check_job_key(key)
         self.store = store
         self.poll_s = poll_s
         self.guard_s = guard_s

@@ -2,58 +2,44 @@
 
 The parent process is the coordinator. It owns the rendezvous store (so no worker death
 can take it down), starts the workers, watches them, and drives the same controller core as
-the Kubernetes operator: a dead process is a lost node, a new process a joining node. It
-publishes each plan generation with the expert transfers measured against the layout the
-workers really hold, commits steps, and can inject failures (``kills``) and growth
-(``joins``) at chosen steps, or failures by wall clock (``kill_every_s``).
-
-``restart_on_failure`` turns the job into the checkpoint-restart baseline that the
-benchmarks compare with (what torchrun does): on any death every worker restarts and the
-job goes on from the last checkpoint.
+the Kubernetes operator: a dead process is a lost node, a new process a joining node. Its
+StepCoordinator publishes each plan generation with the handover it decides from what the
+workers really hold, and commits steps. Failures to inject (``local_faults``) and growth
+(``joins``) happen at chosen steps; ``restart_baseline`` turns the job into the
+checkpoint-restart baseline the benchmarks compare with.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 from lazarus_core import controller as core
-from lazarus_core.cluster_contract import JOB_KEY_ENV, new_job_key, training_env
 from lazarus_core.job_spec import JobSpec
+from lazarus_core.process_env import new_job_key, worker_env
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.topology import NodeSpec
 
 from .coordination import PreparedStep, StepCoordinator
 from .data import StepBatches
 from .job_channel import JobChannel
+from .local_faults import Fault, FaultSchedule
 
 # Deaths within this window after the first are handled as one failure (one SIGKILL of
 # two workers reaches the parent as two exits a few milliseconds apart).
 _SETTLE_S = 0.03
 _POLL_S = 0.002
 
-
-@dataclass(frozen=True)
-class Fault:
-    """At ``step`` (as it starts), kill ``count`` random plan workers, or the ``names``.
-
-    With ``mid_reconfiguration`` the kill waits for the first plan published at or after
-    ``step`` and strikes right after it, while the survivors regroup and move experts."""
-
-    step: int
-    count: int = 0
-    names: tuple[str, ...] = ()
-    mid_reconfiguration: bool = False
+__all__ = ["Fault", "LocalJob", "RunResult"]
 
 
 @dataclass
@@ -99,44 +85,56 @@ class StepLedger:
 
 
 class LocalJob:
+    """One run of a job on local processes: build it, then ``run()`` it once."""
+
     def __init__(self, name: str, spec: JobSpec, workers: int, steps: int,
-                 kills: list[Fault] = (), joins: list[tuple[int, int]] = (),
+                 kills: Sequence[Fault] = (), joins: Sequence[tuple[int, int]] = (),
                  checkpoint_dir: Path | None = None, seed: int = 0,
                  on_event: Callable[[str], None] = lambda line: None,
                  on_progress: Callable[[dict], None] = lambda status: None,
                  worker_env: dict[str, str] | None = None, timeout_s: float = 600.0,
-                 kill_every_s: float | None = None, duration_s: float | None = None,
-                 restart_on_failure: bool = False):
+                 kill_every_s: float | None = None, duration_s: float | None = None):
         self.name = name
         self.spec = dataclasses.replace(spec, replicas=workers)
         self.workers = workers
         self.steps = steps
-        self.kills = sorted(kills, key=lambda f: f.step)
+        self.faults = FaultSchedule(kills, seed, kill_every_s)
         self.joins = sorted(joins)
         self.checkpoint_dir = checkpoint_dir
-        self.rng = random.Random(seed)
         self.on_event = on_event
         self.on_progress = on_progress
-        self.worker_env = worker_env or {}
+        self.extra_env = worker_env or {}
         self.timeout_s = timeout_s
-        # SIGKILL one random plan worker every this many seconds, from when training starts.
-        self.kill_every_s = kill_every_s
         # End at the first step of new progress past this many seconds of training: with
         # kill_every_s, a run of fixed length whatever the failures cost.
         self.duration_s = duration_s
-        self.restart_on_failure = restart_on_failure
         cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
         self.batches = StepBatches.from_config(cfg.data, cfg.model.seq_len, cfg.model.vocab)
         self.tokens_per_step = cfg.data.global_batch * cfg.model.seq_len
+        # The run's state; the store and the channel exist from ``run()`` on.
+        self.store: dist.TCPStore | None = None
+        self.chan: JobChannel | None = None
+        self.steps_done: StepCoordinator | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.admitted: set[str] = set()
+        self.waiting_joiners: list[tuple[int, str]] = []
+        self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
+        self.failures = 0
+        self.fault_at: float | None = None
+        # When the coordinator last looked at its workers: a death is "detected" then.
+        self.detected_at = time.monotonic()
+        self.training_from = time.monotonic()
+        # A fresh key per run, handed to the workers only: the channel is signed with it.
+        self.key = new_job_key()
+        self.ledger = StepLedger(self.batches)
 
     # --- processes -----------------------------------------------------------------------
 
     def _spawn(self, name: str) -> None:
-        # The environment a worker pod gets from the operator (lazarus_operator.builders).
         checkpoint = str(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        env = dict(os.environ, **self.worker_env, LAZARUS_COORDINATOR=f"127.0.0.1:{self.port}",
-                   LAZARUS_NODE_NAME=name, LAZARUS_JOB=self.name, **{JOB_KEY_ENV: self.key},
-                   **training_env(self.spec, checkpoint))
+        env = dict(os.environ, **self.extra_env,
+                   **worker_env(self.spec, self.name, f"127.0.0.1:{self.store.port}", name,
+                                key=self.key, checkpoint_path=checkpoint))
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "lazarus_runtime.worker"], env=env,
             stdin=subprocess.DEVNULL)
@@ -160,43 +158,17 @@ class LocalJob:
         self.on_event(f"killed {', '.join(names)} (SIGKILL) "
                       + when.format(self.steps_done.committed + 1))
 
-    def _restart_survivors(self) -> None:
-        """The checkpoint-restart baseline: stop every survivor and start as many fresh
-        processes in their place (no replacement for the dead). The controller then sees
-        every old node lost, no expert keeps a replica, and ``_publish`` restores the last
-        checkpoint through the same directive as an unrecoverable loss."""
-        survivors = [n for n in self.state.alive if self.procs[n].poll() is None]
-        for n in survivors:
-            self.procs[n].terminate()
-        first = len(self.procs)
-        fresh = [f"worker-{first + i}" for i in range(len(survivors))]
-        for n in survivors:
-            self.procs[n].wait()
-        for n in fresh:
-            self._spawn(n)
-        self.admitted.update(fresh)
-        self._await_hellos(fresh, time.monotonic())
-        self.on_event(f"restarted {len(fresh)} workers from scratch")
+    def _on_deaths(self) -> None:
+        """Workers died: the controller re-plans around them (see restart_baseline)."""
 
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        # The coordinator's own reads never wait for a key (they check first): the
-        # timeout bounds the one read that can wait (see JobChannel.reports).
+        # Its reads never wait for a key, but one (JobChannel.reports) can: this bounds it.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
-        self.port = self.store.port
-        # A fresh key per run, handed to the workers only: the channel is signed with it.
-        self.key = new_job_key()
         self.chan = JobChannel(self.store, self.key, self.name)
         self.steps_done = StepCoordinator(self.chan, self.on_event)
-        self.ledger = StepLedger(self.batches)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
-        self.failures = 0
-        self.fault_at: float | None = None
-        # When the coordinator last looked at its workers: a death is "detected" then.
-        self.detected_at = time.monotonic()
         start = time.monotonic()
         try:
             for i in range(self.workers):
@@ -204,7 +176,6 @@ class LocalJob:
             self.admitted = set(self.procs)
             # Joining workers start now but are admitted only at their step: a join then
             # models capacity arriving at that step, not the time Python takes to start.
-            self.waiting_joiners = []
             for step, count in self.joins:
                 for _ in range(count):
                     name = f"worker-{len(self.procs)}"
@@ -212,7 +183,7 @@ class LocalJob:
                     self.waiting_joiners.append((step, name))
             self._await_hellos(list(self.procs), start)
             self.training_from = time.monotonic()  # every worker is up
-            self.next_kill_at = self.training_from + (self.kill_every_s or 0.0)
+            self.faults.start_clock(self.training_from)
             self._apply(core.handle_all(self.state, core.observe(self.state,
                                                                  self._live(self._running()), ()),
                                         time.time()))
@@ -227,7 +198,10 @@ class LocalJob:
                     self.steps = self.steps_done.highest_step
                     break
                 self._tick()
-                self._inject_timed_fault()
+                if self.steps_done.directive is not None:
+                    self._kill_all([self.faults.on_clock(time.monotonic(),
+                                                         self._plan_workers_alive)],
+                                   when="during step {}")
                 time.sleep(_POLL_S)
             wall = time.monotonic() - start
             training = time.monotonic() - self.training_from
@@ -255,14 +229,14 @@ class LocalJob:
             self._complete(prepared)
 
     def _membership_events(self) -> list:
-        # One look at the processes decides both whether to restart (the baseline) and who
-        # is live: a worker dying between two looks would otherwise be re-planned around
-        # without the restart. A death after the look is seen at the next tick.
+        # One look at the processes decides both whether workers died (and what the
+        # restart baseline does about it) and who is live: a worker dying between two looks
+        # would otherwise be re-planned around without the restart. A death after the look
+        # is seen at the next tick.
         running = self._running()
         if any(n not in running for n in self.state.alive):
             time.sleep(_SETTLE_S)
-            if self.restart_on_failure:
-                self._restart_survivors()
+            self._on_deaths()
             running = self._running()
         self.detected_at = time.monotonic()
         return core.observe(self.state, self._live(running), ())
@@ -274,12 +248,11 @@ class LocalJob:
         if (self.duration_s is not None and step == self.steps_done.highest_step
                 and time.monotonic() - self.training_from >= self.duration_s):
             self.steps = step  # out of time: this step is the last
-        progress = core.Progress(step=step, generation=prepared.generation,
-                                 loads=reports[0].loads, checkpoint_step=self.chan.checkpoint())
         if step == self.steps:
             self.steps_done.commit(prepared, last=True)
             return
-        out = core.handle_all(self.state, [progress] + self._scheduled_changes(step),
+        out = core.handle_all(self.state,
+                              [self.steps_done.progress(prepared)] + self._scheduled_changes(step),
                               time.time())
         if any(isinstance(x, core.PublishPlan) for x in out.decisions):
             self._apply(out, boundary=prepared)
@@ -287,7 +260,7 @@ class LocalJob:
             self._apply(out)
             self.steps_done.commit(prepared)
         self.on_progress(self._status(reports[0].loss))
-        self._inject_faults(step + 1)
+        self._kill_all(self.faults.as_step_begins(step + 1, self._plan_workers_alive))
 
     def _scheduled_changes(self, step: int) -> list:
         """Joins due before ``step + 1`` starts: admit their workers and raise the target."""
@@ -302,22 +275,10 @@ class LocalJob:
                                                       self.spec.replicas + count))
         return [core.SpecChanged(self.spec)]
 
-    def _inject_faults(self, step: int, mid_reconfiguration: bool = False) -> None:
-        for fault in [f for f in self.kills if f.step == step
-                      and f.mid_reconfiguration == mid_reconfiguration]:
-            self.kills.remove(fault)
-            in_plan = self._plan_workers_alive()
-            names = list(fault.names) or self.rng.sample(in_plan, min(fault.count, len(in_plan)))
-            self._kill(sorted(names))
-
-    def _inject_timed_fault(self) -> None:
-        if (self.kill_every_s is None or self.steps_done.directive is None
-                or time.monotonic() < self.next_kill_at):
-            return
-        self.next_kill_at += self.kill_every_s
-        in_plan = self._plan_workers_alive()
-        if len(in_plan) > 1:  # never the last one: the job could not go on
-            self._kill([self.rng.choice(in_plan)], when="during step {}")
+    def _kill_all(self, kills: list[list[str]], when: str = "as step {} began") -> None:
+        for names in kills:
+            if names:
+                self._kill(names, when)
 
     def _plan_workers_alive(self) -> list[str]:
         plan = self.steps_done.directive.plan
@@ -343,13 +304,10 @@ class LocalJob:
                 self.on_event(f"waiting: {decision.message}")
 
     def _publish(self, decision: core.PublishPlan, boundary: PreparedStep | None) -> None:
-        alive = {n for n, p in self.procs.items() if p.poll() is None}
-        directive = self.steps_done.publish(decision.plan, alive, boundary=boundary,
+        directive = self.steps_done.publish(decision.plan, self._running(), boundary=boundary,
                                             fault_at=self.fault_at, detected_at=self.detected_at)
         self.fault_at = None
-        for step in sorted({f.step for f in self.kills if f.mid_reconfiguration
-                            and f.step <= directive.start_step}):
-            self._inject_faults(step, mid_reconfiguration=True)
+        self._kill_all(self.faults.after_publish(directive.start_step, self._plan_workers_alive))
 
     # --- reporting -----------------------------------------------------------------------
 
@@ -369,16 +327,17 @@ class LocalJob:
             reconfigurations=done.summaries(), checkpoint_restores=done.restores,
             samples_lost=sum(ledger.lost[:self.steps]) + unrecorded,
             samples_duplicated=sum(ledger.duplicated[:self.steps]), steps_redone=done.redone,
-            losses=list(ledger.losses), workers=done.directive.plan.world_size if done.directive else 0,
+            losses=list(ledger.losses),
+            workers=done.directive.plan.world_size if done.directive else 0,
             generation=done.generation, wall_seconds=round(wall, 3),
             training_seconds=round(training, 3),
             tokens_per_second=round(recorded * self.tokens_per_step / wall, 1))
 
     def _shutdown(self) -> None:
-        if hasattr(self, "chan"):
+        if self.chan is not None:
             self.chan.stop()
         deadline = time.monotonic() + 20
-        for p in self.procs.values() if hasattr(self, "procs") else ():
+        for p in self.procs.values():
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

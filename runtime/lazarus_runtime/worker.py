@@ -12,7 +12,6 @@ included, so a dead or frozen peer never hangs a survivor.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import sys
@@ -22,11 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lazarus_core.cluster_contract import JOB_KEY_ENV
+from lazarus_core import process_env as penv
 from lazarus_core.runtime_config import RuntimeConfig
 
 from . import checkpoint
-from .collectives import Collectives, CollectiveInterrupted, CollectiveTimeout
+from .collectives import (Collectives, CollectiveInterrupted, CollectiveTimeout,
+                          failure_reason)
 from .data import StepBatches
 from .engine import Engine
 from .job_channel import ChannelTimeout, Directive, JobChannel, StepReport
@@ -37,6 +37,13 @@ log = logging.getLogger("lazarus.worker")
 
 class GenerationEnded(Exception):
     """The current generation is over (failure, interruption, or a newer plan)."""
+
+    @classmethod
+    def by(cls, what: str, e: BaseException) -> "GenerationEnded":
+        """``what`` failed because of ``e``: our words, with ``e`` kept as the cause."""
+        ended = cls(f"{what}: {failure_reason(e)}")
+        ended.__cause__ = e
+        return ended
 
 
 class StateLost(Exception):
@@ -93,7 +100,7 @@ class Worker:
             try:
                 self._adopt(directive)
             except GenerationEnded as e:
-                log.warning("%s: %s", self.node, e)
+                self._log_ended(e)
                 self._leave(failed=True)
                 continue  # nothing changed: the coordinator plans from our last layout
             except StateLost:
@@ -105,11 +112,18 @@ class Worker:
             try:
                 self._train(directive)
             except GenerationEnded as e:
-                log.warning("%s: %s", self.node, e)
+                self._log_ended(e)
                 self._leave(failed=True)
             if self.chan.stopped():
                 self._leave(failed=False)
                 return 0
+
+    def _log_ended(self, e: GenerationEnded) -> None:
+        # A generation ending is routine (a peer died, a newer plan came): one line in our
+        # words at INFO; the backend's raw error only at DEBUG.
+        log.info("%s: %s", self.node, e)
+        if e.__cause__ is not None:
+            log.debug("%s: %s", self.node, e.__cause__)
 
     def _next_generation(self, seen: int) -> int | None:
         deadline = time.monotonic() + self.settings.plan_timeout_s
@@ -149,7 +163,7 @@ class Worker:
                                           d.transfers, d.joiners, d.dense_source,
                                           stepped=d.start_step > 1)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
-                raise GenerationEnded(f"expert transfers of generation {g}: {e}") from e
+                raise GenerationEnded.by(f"expert transfers of generation {g}", e) from e
         self.chan.fetched(g, self.node)
         if not self.chan.wait_adopted(g, self.settings.plan_timeout_s):
             raise GenerationEnded(f"generation {g} was superseded before every member "
@@ -188,7 +202,7 @@ class Worker:
                                         timeout_s=self.settings.collective_timeout_s,
                                         interrupted=lambda: self.chan.latest() > g)
         except (RuntimeError, TimeoutError) as e:
-            raise GenerationEnded(f"joining generation {g}: {e}") from e
+            raise GenerationEnded.by(f"joining generation {g}", e) from e
         timings["rebuild_s"] += time.perf_counter() - start
         return self.comm
 
@@ -220,7 +234,7 @@ class Worker:
             try:
                 result = self.engine.prepare(step)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
-                raise GenerationEnded(f"step {step}: {e}") from e
+                raise GenerationEnded.by(f"generation {g} ended during step {step}", e) from e
             loads = self.engine.step_loads().tolist() if rank == 0 else None
             self.chan.prepare(g, step, rank, StepReport(result.loss, result.sample_ids, loads))
             next_generation = self.chan.wait_commit(g, step, self.settings.plan_timeout_s)
@@ -260,34 +274,24 @@ class Worker:
 
 
 def main() -> int:
-    """Environment, as the operator's worker pods (and the local backend) set it:
-    LAZARUS_COORDINATOR (host:port of the coordinator's store), LAZARUS_NODE_NAME (the node
-    this worker runs on: plans name nodes), LAZARUS_RUNTIME (``spec.runtime`` as JSON),
-    LAZARUS_JOB and LAZARUS_JOB_KEY (the job's name and key: every message on the channel
-    is signed), optionally LAZARUS_CHECKPOINT_PATH and LAZARUS_CHECKPOINT_EVERY_STEPS."""
-    logging.basicConfig(level=os.environ.get("LAZARUS_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(int(os.environ.get("LAZARUS_THREADS", "1")))
-    missing = [v for v in ("LAZARUS_COORDINATOR", "LAZARUS_NODE_NAME", "LAZARUS_RUNTIME",
-                           "LAZARUS_JOB", JOB_KEY_ENV)
-               if not os.environ.get(v)]
-    if missing:
-        print(f"lazarus worker: error: {', '.join(missing)} not set; a worker is started by "
-              f"its coordinator (`lazarus run JOB.yaml --local` starts both) or by the "
-              f"operator", file=sys.stderr)
+    """Configured by the environment the operator's worker pods (and the local backend)
+    set: ``lazarus_core.process_env``."""
+    try:
+        env = penv.read_worker_env(os.environ)
+        cfg = RuntimeConfig.from_manifest(env.runtime)
+    except ValueError as e:
+        print(f"lazarus worker: error: {e}", file=sys.stderr)
         return 2
-    host, port = os.environ["LAZARUS_COORDINATOR"].rsplit(":", 1)
-    cfg = RuntimeConfig.from_manifest(json.loads(os.environ["LAZARUS_RUNTIME"]))
-    checkpoint_dir = os.environ.get("LAZARUS_CHECKPOINT_PATH")
+    logging.basicConfig(level=env.log_level, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(env.threads)
     settings = WorkerSettings(
-        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-        checkpoint_every=int(os.environ.get("LAZARUS_CHECKPOINT_EVERY_STEPS") or 0),
-        collective_timeout_s=float(os.environ.get("LAZARUS_COLLECTIVE_TIMEOUT_S", "60")),
+        checkpoint_dir=Path(env.checkpoint_path) if env.checkpoint_path else None,
+        checkpoint_every=env.checkpoint_every_steps,
+        collective_timeout_s=env.collective_timeout_s,
     )
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
-    chan = JobChannel(store, os.environ[JOB_KEY_ENV], os.environ["LAZARUS_JOB"])
-    return Worker(chan, os.environ["LAZARUS_NODE_NAME"], cfg, settings).run()
+    host, port = env.coordinator_address
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    return Worker(JobChannel(store, env.key, env.job), env.node, cfg, settings).run()
 
 
 if __name__ == "__main__":

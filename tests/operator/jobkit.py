@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from lazarus_core.cluster_contract import GROUP, PLURAL, VERSION, read_plan_configmap
 
 from testcluster.pooljob import SPOT_TOLERATIONS
 from testcluster.waits import wait_until
 
 CACHE = Path(os.environ.get("LAZARUS_CACHE", Path.home() / ".cache" / "lazarus"))
-GROUP, VERSION, PLURAL = "lazarus.dev", "v1alpha1", "lazarusjobs"
 
 
 def tool(name: str) -> Path | None:
@@ -46,7 +46,7 @@ class JobClient:
         return next((c for c in self.status(name).get("conditions", []) if c["type"] == ctype), {})
 
     def plan(self, name: str) -> dict | None:
-        """The published plan (JSON) and, when present, the restore instruction."""
+        """The published plan (JSON)."""
         from kubernetes import client
 
         try:
@@ -55,10 +55,7 @@ class JobClient:
             if e.status == 404:
                 return None
             raise
-        plan = json.loads(cm.data["plan.json"])
-        if "restore.json" in cm.data:
-            plan["_restore"] = json.loads(cm.data["restore.json"])
-        return plan
+        return read_plan_configmap(cm.data)[0].to_dict()
 
     def generation(self, name: str) -> int:
         plan = self.plan(name)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobkit import JobClient, kubectl, settle, tool
+from jobkit import JobClient, kubectl, settle
 from testcluster import faults
 from testcluster.pooljob import on_pools
 from testcluster.waits import wait_until
@@ -141,27 +140,7 @@ def record(scenario: str, result: dict) -> None:
 
 
 @pytest.fixture
-def worker_rbac(cluster, namespace, tmp_path):
-    """The chart's worker ServiceAccount and role, rendered by helm for this namespace."""
-    helm = tool("helm")
-    if helm is None:
-        pytest.skip("helm is not cached; run hack/build-control-plane.sh")
-    release = f"e2e-{namespace[-6:]}"
-    rendered = subprocess.run(
-        [str(helm), "template", release, str(ROOT / "helm" / "lazarus"), "--namespace",
-         namespace, "--set", f"workers.namespaces={{{namespace}}}",
-         "--show-only", "templates/rbac-workers.yaml"],
-        capture_output=True, text=True, check=True, timeout=60).stdout
-    path = tmp_path / "rbac.yaml"
-    path.write_text(rendered)
-    kubectl(cluster, "apply", "-f", str(path))
-    yield
-    kubectl(cluster, "delete", "clusterrole", f"{release}-worker", "--ignore-not-found")
-
-
-@pytest.fixture
-def stack(cluster, namespace, operator_factory, jobs, local_kubelet, worker_rbac,
-          scratch_nodes, tmp_path):
+def stack(cluster, namespace, operator_factory, jobs, local_kubelet, scratch_nodes, tmp_path):
     scratch_nodes("system")  # the coordinator's on-demand node
     with socket.socket() as s:  # every coordinator listens on this host: one port each
         s.bind(("127.0.0.1", 0))

@@ -26,10 +26,11 @@ def manifest(tmp: Path, name: str, **spec_overrides) -> Path:
 
 
 def run(path: Path, workers: int, kills=(), joins=(), steps: int = STEPS,
-        events: list | None = None, **options) -> RunResult:
-    """``options``: further LocalJob arguments (restart_on_failure, ...)."""
+        events: list | None = None, job_class: type[LocalJob] = LocalJob,
+        **options) -> RunResult:
+    """``options``: further LocalJob arguments (kill_every_s, duration_s, ...)."""
     name, spec = parse_manifest(yaml.safe_load(path.read_text()))
-    job = LocalJob(name, spec, workers, steps, list(kills), list(joins),
+    job = job_class(name, spec, workers, steps, list(kills), list(joins),
                    checkpoint_dir=path.parent / "ckpt" / name,
                    on_event=(events.append if events is not None else lambda line: None),
                    timeout_s=240, **options)

@@ -37,8 +37,10 @@ def _worker(fn, rank, world_size, port, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_gloo(fn, world_size: int, args=(), timeout_s: float = 120.0) -> list:
-    """``fn(rank, comm, *args)`` on every rank; returns the results in rank order."""
+def run_gloo(fn, world_size: int, args=(), timeout_s: float = 120.0,
+             allow_dead: set[int] = frozenset()) -> list:
+    """``fn(rank, comm, *args)`` on every rank; returns the results in rank order. Ranks in
+    ``allow_dead`` may die on purpose (a lost node): their result is None."""
     ctx = mp.get_context("spawn")
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -51,11 +53,17 @@ def run_gloo(fn, world_size: int, args=(), timeout_s: float = 120.0) -> list:
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
+            for r in allow_dead:
+                if r not in out and procs[r].exitcode is not None:
+                    out[r] = None
+            if len(out) == world_size:
+                break
             try:
                 rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
                 # A worker killed by a signal never reports: fail now, not at the deadline.
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode]
+                dead = [r for r, p in enumerate(procs)
+                        if r not in out and r not in allow_dead and p.exitcode]
                 if dead:
                     raise RuntimeError(f"ranks {dead} died without a result") from None
                 if time.monotonic() > deadline:

@@ -2,13 +2,16 @@
 generation (the interrupt hook) or at the time bound, never by hanging."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 import torch
 
 from gloo_harness import run_gloo
-from lazarus_runtime.collectives import Collectives, CollectiveInterrupted, CollectiveTimeout
+from lazarus_runtime.collectives import (Collectives, CollectiveInterrupted, CollectiveTimeout,
+                                         failure_reason)
 
 LATE_S = 3.0
 
@@ -76,3 +79,22 @@ def test_work_that_finished_with_an_error_still_raises_it():
     comm = Collectives.single()
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         comm.wait(_LateWork(RuntimeError("Connection closed by peer")))
+
+
+def dies_or_reports(rank: int, comm: Collectives) -> dict:
+    comm.all_reduce_sum_(torch.ones(3))  # both are in the group
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # a lost node: the process vanishes
+    try:
+        comm.all_reduce_sum_(torch.ones(1 << 16))
+    except (RuntimeError, CollectiveTimeout) as e:
+        return {"raw": str(e), "reason": failure_reason(e)}
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_dead_peer_is_reported_in_our_words_not_the_backends():
+    rank0, _ = run_gloo(dies_or_reports, world_size=2, timeout_s=20, allow_dead={1})
+    assert rank0["reason"] == "a peer went away (its process died or left the group)"
+    assert rank0["raw"] != rank0["reason"]

@@ -10,7 +10,7 @@ import datetime
 
 import pytest
 import torch.distributed as dist
-from lazarus_core.cluster_contract import new_job_key
+from lazarus_core.process_env import new_job_key
 from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
 

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("kubernetes")  # the coordinator talks to the API server
 
 import torch.distributed as dist  # noqa: E402
-from lazarus_core.cluster_contract import new_job_key  # noqa: E402
-from lazarus_core.controller import STALLED  # noqa: E402
+from lazarus_core.controller import STALLED, Progress  # noqa: E402
+from lazarus_core.process_env import new_job_key  # noqa: E402
 from lazarus_core.solver import plan_job, replan  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
 
@@ -30,12 +30,12 @@ class Plans:
         return self.published
 
 
-class Progress:
+class Reports:
     def __init__(self):
-        self.reports: list[tuple[str, dict]] = []
+        self.reports: list[tuple[str, Progress]] = []
         self.flushed = threading.Event()
 
-    def report(self, node: str, progress: dict) -> None:
+    def report(self, node: str, progress: Progress) -> None:
         self.reports.append((node, progress))
 
     def flush(self) -> None:
@@ -46,7 +46,7 @@ class Progress:
 def job():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
-    chan, plans, progress = JobChannel(store, new_job_key(), "job"), Plans(), Progress()
+    chan, plans, progress = JobChannel(store, new_job_key(), "job"), Plans(), Reports()
     yield chan, plans, progress
     del store
 
@@ -113,7 +113,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
     assert chan.committed(1, 2) == 2 and chan.latest() == 2
     directive = chan.directive(2)
     assert directive.start_step == 3 and directive.joiners == ("n4",)
-    assert [p["step"] for _, p in progress.reports] == [1, 2]
+    assert [p.step for _, p in progress.reports] == [1, 2]
 
 
 def test_a_stalled_plan_is_published_at_once_though_every_member_is_alive(job):
@@ -135,4 +135,4 @@ def test_the_last_step_stops_the_workers_and_the_coordinator(job):
         coord.tick()
 
     assert chan.stopped() and coord.stopping.is_set() and progress.flushed.is_set()
-    assert progress.reports[-1][1]["step"] == 2
+    assert progress.reports[-1][1].step == 2

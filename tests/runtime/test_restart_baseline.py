@@ -1,10 +1,11 @@
-"""The checkpoint-restart baseline of the goodput benchmark (``restart_on_failure``): after a
+"""The checkpoint-restart baseline of the goodput benchmark (``RestartingLocalJob``): after a
 death every worker restarts and the job goes on from the last checkpoint. The restore must be
 exact, or the benchmark would compare Lazarus with a baseline that trains a different model.
 """
 import pytest
 
 from elastic_jobs import STEPS, Fault, manifest, run
+from lazarus_runtime.restart_baseline import RestartingLocalJob
 
 pytestmark = pytest.mark.slow
 
@@ -13,7 +14,7 @@ def test_a_restart_from_the_checkpoint_trains_the_same_model(tmp_path):
     reference = run(manifest(tmp_path, "reference"), workers=3)
     events = []
     result = run(manifest(tmp_path, "restart"), workers=4, kills=[Fault(15, count=1)],
-                 events=events, restart_on_failure=True)
+                 events=events, job_class=RestartingLocalJob)
     (reconfig,) = result.reconfigurations
     assert reconfig["restored_step"] == 10 and result.checkpoint_restores == 1
     assert result.steps_redone == 4  # steps 11-14 ran again from the step-10 state

@@ -37,7 +37,7 @@ def test_bad_flags_exit_2_with_one_line(args, field):
     ("topK: 2", "topK: 3", "spec.runtime.topK"),
     ("cpu: 500m", "cpu: lots", "spec.template.resources.requests[cpu]"),
     ("name: tiny", "name: 1tiny", "metadata.name"),
-    ('learningRate: "3e-3"', "learningRate: 0.003", "spec.runtime.learningRate"),
+    ('learningRate: "0.003"', "learningRate: 0.003", "spec.runtime.learningRate"),
 ])
 def test_a_bad_manifest_names_the_field(tmp_path, good, bad, field):
     manifest = Path(EXAMPLE).read_text()

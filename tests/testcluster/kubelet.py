@@ -4,7 +4,9 @@ machine, and its status is reported through the API, so full-stack e2e tests run
 workers on the real scheduler's choice of kwok node.
 
 Only what those tests need: no images (``python`` is this test's interpreter), no volumes, no
-probes, and a process is never restarted, whatever the pod's restartPolicy. Pod deletion
+probes, and a process is never restarted, whatever the pod's restartPolicy. Environment
+variables take values, the downward API's fieldRefs, and Secrets' keys (read with the
+kubelet's own credentials, as a real kubelet does). Pod deletion
 stops the process (SIGTERM, then SIGKILL after the grace period); node deletion SIGKILLs
 every process on that node, as a reclaimed spot instance would.
 
@@ -73,8 +75,9 @@ def _field_ref(pod, path: str) -> str:
     return fields[path]
 
 
-def _container_env(pod, container) -> dict[str, str]:
-    """The test's basics, not its whole environment (no admin KUBECONFIG), then the container's."""
+def _container_env(pod, container, secret_value) -> dict[str, str]:
+    """The test's basics, not its whole environment (no admin KUBECONFIG), then the container's.
+    ``secret_value(name, key)`` reads a Secret's key."""
     # Unbuffered, so a SIGKILLed process's log still holds everything it printed.
     env = {k: os.environ[k] for k in BASE_ENV if k in os.environ} | {"PYTHONUNBUFFERED": "1"}
     for var in container.env or []:
@@ -82,8 +85,11 @@ def _container_env(pod, container) -> dict[str, str]:
             value = _expand(var.value or "", env)
         elif var.value_from.field_ref is not None:
             value = _field_ref(pod, var.value_from.field_ref.field_path)
+        elif var.value_from.secret_key_ref is not None:
+            ref = var.value_from.secret_key_ref
+            value = secret_value(ref.name, ref.key)
         else:
-            raise ValueError(f"env {var.name}: only value and valueFrom.fieldRef are supported by the local kubelet")
+            raise ValueError(f"env {var.name}: only value, valueFrom.fieldRef and valueFrom.secretKeyRef are supported by the local kubelet")
         env[var.name] = SERVICE_HOST.sub(LOCAL_IP, value)
     return env
 
@@ -199,7 +205,7 @@ class LocalKubelet:
     def _start(self, pod) -> None:
         name, container = pod.metadata.name, pod.spec.containers[0]
         try:
-            env = _container_env(pod, container)
+            env = _container_env(pod, container, self._secret_value)
             # The DNS stand-in applies to arguments too: an address may be passed either way.
             argv = [SERVICE_HOST.sub(LOCAL_IP, _expand(arg, env))
                     for arg in (container.command or []) + (container.args or [])]
@@ -223,6 +229,19 @@ class LocalKubelet:
                 "name": container.name, "image": container.image, "imageID": "", "ready": False,
                 "restartCount": 0, "state": {"waiting": {"reason": "CreateContainerError", "message": str(e)}},
             }]}})
+
+    def _secret_value(self, name: str, key: str) -> str:
+        """A Secret's key, as the kubelet puts it into a container's environment; a missing
+        one keeps the pod from starting (ValueError), as CreateContainerConfigError does."""
+        from kubernetes import client
+
+        try:
+            data = self._core.read_namespaced_secret(name, self._namespace).data or {}
+        except client.ApiException as e:
+            raise ValueError(f"secret {name!r}: {e.reason}") from None
+        if key not in data:
+            raise ValueError(f"secret {name!r} has no key {key!r}")
+        return base64.b64decode(data[key]).decode()
 
     def _write_kubeconfig(self, pod) -> Path:
         """A kubeconfig with a token bound to the pod, so the process has exactly its

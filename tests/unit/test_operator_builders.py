@@ -5,6 +5,10 @@ import pytest
 
 pytest.importorskip("kopf")  # the operator extra
 
+from lazarus_core import process_env as penv  # noqa: E402
+from lazarus_core.cluster_contract import (PROGRESS_ANNOTATION, progress_json,  # noqa: E402
+                                           read_plan_configmap)
+from lazarus_core.controller import Progress  # noqa: E402
 from lazarus_core.job_spec import parse_spec  # noqa: E402
 from lazarus_core.solver import plan_job  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
@@ -22,28 +26,57 @@ SPEC = parse_spec({
                  "resources": {"limits": {"nvidia.com/gpu": 2}},
                  "tolerations": [{"key": "spot", "operator": "Exists"}],
                  "env": [{"name": "EXTRA", "value": "1"},
-                         {"name": "LAZARUS_JOB", "value": "cannot override"}]},
+                         {"name": penv.JOB, "value": "cannot override"}]},
 })
 
 
+KEY = penv.new_job_key()
+KEY_SECRET = "j-key-x7k2p"
+
+
+def _environment(container: dict, node: str = "node-7") -> dict[str, str]:
+    """The variables the process sees, as the kubelet fills them in: the downward API's node
+    name, and the job's key from its Secret."""
+    seen = {}
+    for e in container["env"]:
+        ref = e.get("valueFrom", {})
+        if "secretKeyRef" in ref:
+            assert ref["secretKeyRef"] == {"name": KEY_SECRET, "key": builders.KEY_SECRET_ENTRY}
+            seen[e["name"]] = KEY
+        else:
+            seen[e["name"]] = e.get("value", node)
+    return seen
+
+
 def test_worker_pod_carries_the_plan_location_and_secure_defaults():
-    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7)
+    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7, key_secret=KEY_SECRET)
     assert pod["metadata"]["name"] == "j-worker-3"
     assert pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "7"
     c = pod["spec"]["containers"][0]
     env = {e["name"]: e for e in c["env"]}
-    assert env["LAZARUS_PLAN_CONFIGMAP"]["value"] == "j-plan"
-    assert env["LAZARUS_JOB"]["value"] == "j"  # the template cannot redirect a worker
+    assert env[penv.PLAN_CONFIGMAP]["value"] == "j-plan"
+    assert env[penv.JOB]["value"] == "j"  # the template cannot redirect a worker
     assert env["EXTRA"]["value"] == "1"
-    assert json.loads(env["LAZARUS_RUNTIME"]["value"])["model"] == "tiny"
-    assert env["LAZARUS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert env["LAZARUS_COORDINATOR"]["value"] == "j-coordinator.ns.svc:29400"
+    assert env[penv.NODE_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # What the worker reads from it.
+    worker = penv.read_worker_env(_environment(c))
+    assert (worker.job, worker.key) == ("j", KEY)
+    assert worker.coordinator_address == ("j-coordinator.ns.svc", 29400)
+    assert (worker.node, worker.runtime["model"]) == ("node-7", "tiny")
+    assert (worker.checkpoint_path, worker.checkpoint_every_steps) == ("/ckpt", 10)
     assert pod["metadata"]["labels"]["team"] == "moe"  # the template's labels ride along,
     assert pod["metadata"]["labels"]["lazarus.dev/role"] == "worker"  # never over ours
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    scratch = {v["name"]: v for v in pod["spec"]["volumes"]}[builders.SCRATCH_VOLUME]
+    assert "emptyDir" in scratch and {"name": builders.SCRATCH_VOLUME, "mountPath": "/tmp"} in c[
+        "volumeMounts"]
+    # The job gave its workers an account (e.g. for checkpoint storage): they mount it.
+    assert pod["spec"]["automountServiceAccountToken"] is True
+    assert pod["spec"]["serviceAccountName"] == "sa"
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
     anti = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -51,43 +84,113 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
 
 
 def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_it():
-    pod = builders.build_coordinator_pod("j", "ns", SPEC, port=1234)
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, port=1234)
     svc = builders.build_coordinator_service("j", "ns", port=1234)
     c = pod["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = _environment(c)
     assert pod["metadata"]["name"] == svc["metadata"]["name"] == "j-coordinator"
     assert c["command"][-1] == "lazarus_runtime.cluster_coordinator"
-    assert (env["LAZARUS_PLAN_CONFIGMAP"], env["LAZARUS_COORDINATOR_PORT"]) == ("j-plan", "1234")
-    assert env["EXTRA"] == "1" and env["LAZARUS_JOB"] == "j"
+    coordinator = penv.read_coordinator_env(env)
+    assert (coordinator.job, coordinator.plan_configmap, coordinator.port) == ("j", "j-plan", 1234)
+    assert coordinator.steps is None  # trains until deleted
+    assert coordinator.key == KEY
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": builders.SCRATCH_VOLUME, "mountPath": "/tmp"} in c["volumeMounts"]
+    assert env["EXTRA"] == "1"
     # spec.coordinator places it; none of the workers' GPU request, selector or tolerations.
     assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["spec"]["tolerations"] == []
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
-    assert pod["spec"]["serviceAccountName"] == "sa"
+    # Its own account, whatever the template says (that one is the workers').
+    assert pod["spec"]["serviceAccountName"] == "j-coordinator"
+    assert pod["spec"]["automountServiceAccountToken"] is True
     assert pod["metadata"]["labels"]["team"] == "moe"
     selected = svc["spec"]["selector"]
     assert all(pod["metadata"]["labels"][k] == v for k, v in selected.items())
-    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1)
+    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1, key_secret=KEY_SECRET)
     assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
     assert svc["spec"]["ports"][0]["port"] == 1234
-    assert "LAZARUS_STEPS" not in env  # trains until deleted
     finite = builders.build_coordinator_pod("j", "ns", parse_spec(
         {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
-         "slotsPerGpu": 4, "steps": 300}))
-    assert {e["name"]: e["value"] for e in finite["spec"]["containers"][0]["env"]}[
-        "LAZARUS_STEPS"] == "300"
+         "slotsPerGpu": 4, "steps": 300}), KEY_SECRET)
+    assert penv.read_coordinator_env(_environment(finite["spec"]["containers"][0])).steps == 300
 
 
-def test_plan_configmap_round_trips_the_plan_and_flags_a_restore():
+def test_workers_mount_no_token_unless_the_job_gives_them_an_account():
+    spec = parse_spec({"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
+                       "slotsPerGpu": 4})
+    pod = builders.build_worker_pod("j", "ns", spec, 0, generation=1, key_secret=KEY_SECRET)
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod["spec"]
+
+
+def test_the_key_secret_is_the_one_the_pods_read():
+    secret = builders.build_key_secret("j", "ns", KEY)
+    # The API server picks the name: nothing made before the job can pass for it.
+    assert "name" not in secret["metadata"] and secret["metadata"]["generateName"] == "j-key-"
+    assert secret["stringData"] == {builders.KEY_SECRET_ENTRY: KEY}
+    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET),
+                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)):
+        refs = [e["valueFrom"]["secretKeyRef"] for e in pod["spec"]["containers"][0]["env"]
+                if "secretKeyRef" in e.get("valueFrom", {})]
+        assert refs == [{"name": KEY_SECRET, "key": builders.KEY_SECRET_ENTRY}]
+
+
+def test_the_coordinators_role_reaches_only_its_own_jobs_plan():
+    account, role, binding = builders.build_coordinator_access("j", "ns")
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)
+    assert account["kind"] == "ServiceAccount"
+    assert account["metadata"]["name"] == pod["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "j-coordinator",
+                                    "namespace": "ns"}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    configmaps = [r for r in role["rules"] if "configmaps" in r["resources"]]
+    assert configmaps == [{"apiGroups": [""], "resources": ["configmaps"],
+                           "verbs": ["get", "list", "watch"], "resourceNames": ["j-plan"]}]
+    for rule in role["rules"]:
+        assert "secrets" not in rule["resources"] and "*" not in rule["verbs"]
+        assert not {"create", "delete", "update"} & set(rule["verbs"])
+
+
+def test_the_network_policy_admits_only_the_jobs_own_pods():
+    policy = builders.build_network_policy("j", "ns")
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET),
+                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)):
+        assert selected.items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selected}}]}]
+    other = builders.build_worker_pod("k", "ns", SPEC, 0, 1, key_secret="k-key")
+    assert not selected.items() <= other["metadata"]["labels"].items()
+
+
+def test_a_process_started_without_its_environment_is_told_what_is_missing():
+    with pytest.raises(penv.EnvError, match=penv.NODE_NAME):
+        penv.read_worker_env({penv.COORDINATOR: "h:1", penv.RUNTIME: "{}"})
+    with pytest.raises(penv.EnvError, match="malformed"):
+        penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n", penv.JOB_KEY: KEY,
+                                   penv.PLAN_CONFIGMAP: "p", penv.COORDINATOR_PORT: "x"})
+    with pytest.raises(penv.EnvError, match=penv.JOB_KEY):
+        penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n", penv.JOB_KEY: "short",
+                                   penv.PLAN_CONFIGMAP: "p", penv.COORDINATOR_PORT: "1"})
+
+
+def test_plan_configmap_round_trips_the_plan_and_the_draining_nodes():
     nodes = [NodeSpec(f"n{i}", 2, 2) for i in range(3)]
     plan = plan_job(nodes, 4, 2, 2)
-    cm = builders.build_plan_configmap("j", "ns", plan, {"generation": 1, "step": 20})
+    cm = builders.build_plan_configmap("j", "ns", plan)
     assert cm["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "1"
-    assert type(plan).from_json(cm["data"][builders.PLAN_KEY]) == plan
-    assert json.loads(cm["data"][builders.RESTORE_KEY])["step"] == 20
-    assert builders.RESTORE_KEY not in builders.build_plan_configmap("j", "ns", plan)["data"]
-    assert json.loads(cm["data"][builders.DRAINING_KEY]) == []
+    assert read_plan_configmap(cm["data"]) == (plan, frozenset())
     drained = builders.build_plan_configmap("j", "ns", plan, draining=("n9", "n7"))
-    assert json.loads(drained["data"][builders.DRAINING_KEY]) == ["n7", "n9"]
+    assert read_plan_configmap(drained["data"]) == (plan, frozenset({"n7", "n9"}))
+
+
+def test_progress_reports_round_trip_with_what_the_coordinator_measured():
+    p = Progress(step=12, generation=3, loads=((1, 2), (3, 4)), checkpoint_step=10,
+                 experts_migrated=5, restored_step=None, experts_lost=0, restores=2)
+    pod = _pod("j-worker-0", "a")
+    pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = progress_json(p)
+    obs = observe_workers([pod], {"a": NodeInfo.from_manifest(_node("a"))}, SPEC)
+    assert obs.progress == p
 
 
 def _node(name, ready=True, taints=(), labels=None):
@@ -101,7 +204,7 @@ def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     if progress:
-        meta["annotations"][builders.PROGRESS_ANNOTATION] = json.dumps(progress)
+        meta["annotations"][PROGRESS_ANNOTATION] = json.dumps(progress)
     return {"metadata": meta, "spec": {"nodeName": node} if node else {},
             "status": {"phase": phase, "conditions": list(conditions)}}
 
@@ -149,5 +252,5 @@ def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
     before = pod_fingerprint(pod)
     pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] = "9"
     assert pod_fingerprint(pod) == before
-    pod["metadata"]["annotations"][builders.PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
+    pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
     assert pod_fingerprint(pod) != before

@@ -1,0 +1,160 @@
+"""The environment a worker and a coordinator start with: one contract, in one module.
+
+The operator's pod builders and the local backend write it; the worker and the coordinator
+read it. Nothing else spells a ``LAZARUS_*`` name: every side takes the names and the
+encoding from here, so the two ends cannot drift apart.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .job_spec import JobSpec
+
+# --- a worker -----------------------------------------------------------------------------
+COORDINATOR = "LAZARUS_COORDINATOR"  # host:port of the coordinator's store
+NODE_NAME = "LAZARUS_NODE_NAME"  # the node it runs on: plans name nodes
+RUNTIME = "LAZARUS_RUNTIME"  # spec.runtime as JSON
+CHECKPOINT_PATH = "LAZARUS_CHECKPOINT_PATH"
+CHECKPOINT_EVERY_STEPS = "LAZARUS_CHECKPOINT_EVERY_STEPS"
+# Knobs a user may set through spec.template.env.
+COLLECTIVE_TIMEOUT_S = "LAZARUS_COLLECTIVE_TIMEOUT_S"
+LOG_LEVEL = "LAZARUS_LOG_LEVEL"
+THREADS = "LAZARUS_THREADS"
+# --- both: the job's name and key, which sign every message between them -------------------
+JOB = "LAZARUS_JOB"
+# On a cluster it comes from the job's Secret (the pod builders reference it there), never
+# as a value in a pod's spec.
+JOB_KEY = "LAZARUS_JOB_KEY"
+# Set on worker pods for reference (kubectl describe, debugging); no process needs them.
+NAMESPACE = "LAZARUS_NAMESPACE"
+POD_NAME = "LAZARUS_POD_NAME"
+PLAN_CONFIGMAP = "LAZARUS_PLAN_CONFIGMAP"
+WORKERS_SERVICE = "LAZARUS_WORKERS_SERVICE"
+GPUS_PER_NODE = "LAZARUS_GPUS_PER_NODE"
+# --- the coordinator (besides JOB, NAMESPACE and PLAN_CONFIGMAP) ------------------------------
+COORDINATOR_PORT = "LAZARUS_COORDINATOR_PORT"
+STEPS = "LAZARUS_STEPS"  # a job that ends after this many steps
+
+
+class EnvError(ValueError):
+    """A process started without what it needs; the message names the variables."""
+
+
+# 256 random bits as 64 hex digits: text, so it fits an environment variable and a Secret.
+_JOB_KEY_TEXT = re.compile(r"^[0-9a-f]{64,}$")
+
+
+def new_job_key() -> str:
+    """A fresh job key (the local backend makes one per run; the operator one per job)."""
+    return secrets.token_hex(32)
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    coordinator: str
+    node: str
+    runtime: dict
+    job: str
+    key: str = field(repr=False)
+    checkpoint_path: str | None = None
+    checkpoint_every_steps: int = 0
+    collective_timeout_s: float = 60.0
+    log_level: str = "WARNING"
+    threads: int = 1
+
+    @property
+    def coordinator_address(self) -> tuple[str, int]:
+        host, port = self.coordinator.rsplit(":", 1)
+        return host, int(port)
+
+
+def worker_env(spec: JobSpec, job: str, coordinator: str, node: str | None = None,
+               key: str | None = None, checkpoint_path: str | None = None) -> dict[str, str]:
+    """What a worker of ``spec`` is started with. ``node`` None leaves NODE_NAME to the
+    caller (a pod takes it from the downward API), ``key`` None leaves JOB_KEY to it (a pod
+    takes it from the job's Secret); ``checkpoint_path`` overrides ``spec.checkpoint.path``."""
+    env = {COORDINATOR: coordinator, RUNTIME: json.dumps(dict(spec.runtime), sort_keys=True),
+           JOB: job}
+    if node is not None:
+        env[NODE_NAME] = node
+    if key is not None:
+        env[JOB_KEY] = key
+    path = checkpoint_path or (spec.checkpoint.path if spec.checkpoint else None)
+    if path:
+        env[CHECKPOINT_PATH] = path
+        env[CHECKPOINT_EVERY_STEPS] = str(spec.checkpoint.every_steps if spec.checkpoint else 0)
+    return env
+
+
+def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
+    _require(environ, (COORDINATOR, NODE_NAME, RUNTIME, JOB, JOB_KEY),
+             "a worker is started by its coordinator (`lazarus run JOB.yaml --local` starts "
+             "both) or by the operator")
+    try:
+        runtime = json.loads(environ[RUNTIME])
+        return WorkerEnv(
+            coordinator=environ[COORDINATOR], node=environ[NODE_NAME], runtime=runtime,
+            job=environ[JOB], key=_job_key(environ),
+            checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
+            checkpoint_every_steps=int(environ.get(CHECKPOINT_EVERY_STEPS) or 0),
+            collective_timeout_s=float(environ.get(COLLECTIVE_TIMEOUT_S) or 60),
+            log_level=environ.get(LOG_LEVEL) or "WARNING",
+            threads=int(environ.get(THREADS) or 1))
+    except ValueError as e:
+        raise EnvError(f"malformed worker environment: {e}") from None
+
+
+@dataclass(frozen=True)
+class CoordinatorEnv:
+    job: str
+    namespace: str
+    plan_configmap: str
+    port: int
+    key: str = field(repr=False)
+    steps: int | None = None
+    log_level: str = "WARNING"
+
+
+def coordinator_env(job: str, namespace: str, plan_configmap: str, port: int,
+                    steps: int | None) -> dict[str, str]:
+    env = {JOB: job, NAMESPACE: namespace, PLAN_CONFIGMAP: plan_configmap,
+           COORDINATOR_PORT: str(port)}
+    if steps is not None:
+        env[STEPS] = str(steps)
+    return env
+
+
+def read_coordinator_env(environ: Mapping[str, str]) -> CoordinatorEnv:
+    _require(environ, (JOB, NAMESPACE, PLAN_CONFIGMAP, COORDINATOR_PORT, JOB_KEY),
+             "the operator starts the coordinator pod of each LazarusJob")
+    try:
+        return CoordinatorEnv(
+            job=environ[JOB], namespace=environ[NAMESPACE],
+            plan_configmap=environ[PLAN_CONFIGMAP], port=int(environ[COORDINATOR_PORT]),
+            key=_job_key(environ),
+            steps=int(environ[STEPS]) if environ.get(STEPS) else None,
+            log_level=environ.get(LOG_LEVEL) or "WARNING")
+    except ValueError as e:
+        raise EnvError(f"malformed coordinator environment: {e}") from None
+
+
+def check_job_key(key: str) -> str:
+    """``key`` if it is a job key (64 or more lower-case hex digits), else ValueError."""
+    if not _JOB_KEY_TEXT.match(key):
+        raise ValueError(f"{JOB_KEY} must be 64 or more lower-case hex digits (the job's "
+                         f"Secret holds one); it is {len(key)} characters of something else")
+    return key
+
+
+def _job_key(environ: Mapping[str, str]) -> str:
+    return check_job_key(environ[JOB_KEY])
+
+
+def _require(environ: Mapping[str, str], names: tuple[str, ...], why: str) -> None:
+    missing = [n for n in names if not environ.get(n)]
+    if missing:
+        raise EnvError(f"{', '.join(missing)} not set; {why}")

@@ -1,0 +1,231 @@
+"""Carrying out the controller's decisions on the API server, and writing the job's status.
+
+Everything here is idempotent: objects have deterministic names, "already exists" is a
+normal outcome, and an Event is posted once per (job, generation, kind), so a pass that is
+retried, or run again by an operator that restarted half-way, does no harm.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from lazarus_core import controller as core
+from lazarus_core.cluster_contract import GROUP, PLURAL, VERSION
+from lazarus_core.job_spec import JobSpec
+from lazarus_core.process_env import new_job_key
+
+from . import builders, metrics
+from .kube_api import (create_owned, delete_pods, ignore_missing, post_event, rfc3339,
+                       write_plan)
+from .observe import Observation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobRecord:
+    """What the operator remembers of a job between passes (a cache of the API server)."""
+    state: core.JobState | None = None
+    objects_ready: bool = False
+    # The name of the job's key Secret (the API server picks it; status.keySecret keeps it).
+    key_secret: str | None = None
+    # resourceVersion of the plan ConfigMap the state was built from or last wrote.
+    plan_version: str | None = None
+    # The newest generation published; stale pod annotations in flight are skipped.
+    published: int = 0
+
+
+class Applier:
+    def __init__(self, api: client.CoreV1Api, custom: client.CustomObjectsApi,
+                 clock: Callable[[], float], coordinator_port: int):
+        self.core = api
+        self.custom = custom
+        self.rbac = client.RbacAuthorizationV1Api(api.api_client)
+        self.networking = client.NetworkingV1Api(api.api_client)
+        self.clock = clock
+        self.coordinator_port = coordinator_port
+        # Pod creations and deletions fan out, and the pass waits for them; the generation
+        # annotations go to their own pool and nobody waits for them.
+        self._batch = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lazarus-batch")
+        self._background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lazarus-annotate")
+
+    def apply(self, record: JobRecord, body: dict, spec: JobSpec, before: core.JobState,
+              outcome: core.Outcome, obs: Observation, started: float, timing: str) -> None:
+        namespace = body["metadata"]["namespace"]
+        state = outcome.state
+        self._ensure_job_objects(record, body, spec)
+        for d in outcome.decisions:
+            if isinstance(d, core.PublishPlan):
+                self._publish(record, body, d, state.draining, obs, started, timing)
+            elif isinstance(d, core.ReleaseWorkers):
+                delete_pods(self.core, self._batch,
+                            [(obs.pod_on[n], False) for n in d.names if n in obs.pod_on],
+                            namespace)
+            elif isinstance(d, core.Wait):
+                generation = state.plan.generation if state.plan else 0
+                self.event(body, d.reason, d.message, "Warning",
+                           f"g{generation}.{d.reason.lower()}")
+        self._report_measured(body, before, state)
+        if not state.finished:  # a finished job's pods stay, with their logs
+            delete_pods(self.core, self._batch, obs.doomed, namespace)
+        self._right_size(record, body, spec, state, obs)
+        self._patch_status(body, state)
+
+    def record_publication(self, body: dict, plan) -> None:
+        """The Event of the latest generation, in case an operator died between writing the
+        plan and posting it (the Event's name is fixed, so a posted one is not repeated)."""
+        self.event(body, "PlanPublished" if plan.generation == 1 else "Reconfigured",
+                   f"generation {plan.generation} ({plan.reason}): published by an operator "
+                   f"that stopped before recording it; {len(plan.nodes)} nodes",
+                   "Normal", f"g{plan.generation}.published")
+
+    def event(self, body: dict, reason: str, message: str, kind: str, suffix: str) -> None:
+        post_event(self.core, body, reason, message, kind, suffix, self.clock())
+
+    # --- decisions -----------------------------------------------------------------------
+
+    def _publish(self, record: JobRecord, body: dict, d: core.PublishPlan,
+                 draining: frozenset[str], obs: Observation, started: float,
+                 timing: str) -> None:
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        plan = d.plan
+        cm = builders.build_plan_configmap(name, namespace, plan, tuple(draining))
+        kopf.adopt(cm, owner=body)
+        record.plan_version = write_plan(self.core, cm, record.plan_version)
+        elapsed = time.perf_counter() - started
+        labels = (namespace, name)
+        if plan.generation > 1:
+            metrics.RECONFIGURATIONS.labels(*labels, plan.reason).inc()
+            metrics.RECONFIGURATION_SECONDS.labels(*labels).observe(elapsed)
+        metrics.PLAN_GENERATION.labels(*labels).set(plan.generation)
+        for k, p in plan.recovery.items():
+            metrics.RECOVERY_PROBABILITY.labels(*labels, k).set(p)
+        log.info("%s/%s: %s (published in %.3f s: %s)", namespace, name, d.message, elapsed,
+                 timing)
+        self.event(body, "PlanPublished" if plan.generation == 1 else "Reconfigured",
+                   d.message, "Normal", f"g{plan.generation}.published")
+        # The ConfigMap is the plan; the pod annotation lets `kubectl get pods` show which
+        # generation each worker was last told about. It is informational, so it fans out
+        # in the background: hundreds of pod patches must not delay the next re-plan.
+        record.published = plan.generation
+        patch = {"metadata": {"annotations": {
+            builders.GENERATION_ANNOTATION: str(plan.generation)}}}
+
+        def annotate(pod: str) -> None:
+            if record.published != plan.generation:
+                return  # a newer generation is out; its own fan-out covers this pod
+            try:
+                ignore_missing(self.core.patch_namespaced_pod, pod, namespace, patch)
+            except ApiException as e:
+                log.warning("could not annotate %s/%s: %s", namespace, pod, e.reason)
+
+        for pod in (obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on):
+            self._background.submit(annotate, pod)
+
+    def _report_measured(self, body: dict, before: core.JobState,
+                         state: core.JobState) -> None:
+        """Metrics and Events for what the workers did to adopt a generation, once, when
+        the first progress report under it arrives."""
+        g = state.progress_generation
+        if g is None or g == before.progress_generation:
+            return
+        labels = (body["metadata"]["namespace"], body["metadata"]["name"])
+        metrics.EXPERTS_MIGRATED.labels(*labels).inc(state.experts_migrated)
+        if state.restored_step is not None:
+            metrics.CHECKPOINT_RESTORES.labels(*labels).inc()
+            self.event(body, "CheckpointRestore",
+                       f"generation {g}: {state.experts_lost} (layer, expert) pairs had lost "
+                       f"every replica; the workers restored the checkpoint of step "
+                       f"{state.restored_step}", "Warning", f"g{g}.restore")
+
+    def _right_size(self, record: JobRecord, body: dict, spec: JobSpec, state: core.JobState,
+                    obs: Observation) -> None:
+        """Create the workers the target still lacks; drop starting ones beyond it."""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        if state.finished:  # nothing will train on the pods still starting
+            delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
+            return
+        missing = state.missing_workers(len(obs.starting))
+        generation = state.plan.generation if state.plan else 0
+        free = (i for i in range(10**6) if i not in obs.used_indices)
+        pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
+                                          record.key_secret, self.coordinator_port)
+                for _ in range(missing)]
+        list(self._batch.map(
+            lambda pod: create_owned(body, self.core.create_namespaced_pod, pod), pods))
+        usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
+        excess = usable + len(obs.starting) - spec.target_nodes
+        if excess > 0:
+            surplus = sorted(obs.starting, key=_index)[-excess:]
+            delete_pods(self.core, self._batch, [(p, False) for p in surplus], namespace)
+
+    def _ensure_job_objects(self, record: JobRecord, body: dict, spec: JobSpec) -> None:
+        """The job's key Secret, its NetworkPolicy, the coordinator's ServiceAccount, Role
+        and RoleBinding, the workers' Service, and the coordinator's pod and Service:
+        created once per job ("already exists" after an operator restart is the normal
+        case)."""
+        if record.objects_ready:
+            return
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        if record.key_secret is None:
+            record.key_secret = ((body.get("status") or {}).get("keySecret")
+                                 or self._new_key_secret(body))
+        port = self.coordinator_port
+        create = {"NetworkPolicy": self.networking.create_namespaced_network_policy,
+                  "ServiceAccount": self.core.create_namespaced_service_account,
+                  "Role": self.rbac.create_namespaced_role,
+                  "RoleBinding": self.rbac.create_namespaced_role_binding,
+                  "Service": self.core.create_namespaced_service,
+                  "Pod": self.core.create_namespaced_pod}
+        for obj in (builders.build_network_policy(name, namespace),
+                    *builders.build_coordinator_access(name, namespace),
+                    builders.build_workers_service(name, namespace),
+                    builders.build_coordinator_service(name, namespace, port),
+                    builders.build_coordinator_pod(name, namespace, spec, record.key_secret,
+                                                   port)):
+            create_owned(body, create[obj["kind"]], obj)
+        record.objects_ready = True
+
+    def _new_key_secret(self, body: dict) -> str:
+        """A fresh key in a Secret of its own, its name kept in the job's status at once,
+        before any pod refers to it: a pass that starts again after a crash finds it there,
+        so the job's pods never get two different keys. (A crash between the two calls
+        leaves a Secret no pod uses; the job owns it, so it goes with the job.)"""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        secret = builders.build_key_secret(name, namespace, new_job_key())
+        kopf.adopt(secret, owner=body)
+        created = self.core.create_namespaced_secret(namespace, secret).metadata.name
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": {"keySecret": created}})
+        return created
+
+    # --- status --------------------------------------------------------------------------
+
+    def _patch_status(self, body: dict, state: core.JobState) -> None:
+        meta = body["metadata"]
+        old = body.get("status") or {}
+        new = core.status(state, old.get("conditions") or [], rfc3339(self.clock()),
+                          observed_generation=meta.get("generation"))
+        new |= {"observedGeneration": meta.get("generation"),
+                "selector": builders.selector(meta["name"]),
+                "planConfigMap": builders.plan_configmap_name(meta["name"])}
+        labels = (meta["namespace"], meta["name"])
+        metrics.READY_NODES.labels(*labels).set(new["readyNodes"])
+        if "lowestReplicas" in new:
+            metrics.LOWEST_REPLICAS.labels(*labels).set(new["lowestReplicas"])
+        if all(old.get(k) == v for k, v in new.items()):
+            return  # an unchanged status is not written: no event storm on the job
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": new})
+
+
+def _index(pod_name: str) -> int:
+    tail = pod_name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1

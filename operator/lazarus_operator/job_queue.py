@@ -1,0 +1,83 @@
+"""Passes over one job never overlap, and timers that ask for more passes.
+
+Events that arrive during a pass coalesce into one more pass after it (``request``), which
+keeps a burst of pod events from becoming a burst of re-plans. Each job also gets a
+settling window for node changes, a retry at the deadline the controller asked for, and a
+periodic pass (the heartbeat), each a one-shot timer that is replaced, never stacked.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Key = tuple[str, str]  # (namespace, job name)
+
+
+@dataclass
+class _Entry:
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    dirty: bool = False
+    running: bool = False
+    timers: dict[str, threading.Timer] = field(default_factory=dict)
+
+
+class JobQueue:
+    def __init__(self, run_pass: Callable[[str, str], None]):
+        self._run_pass = run_pass
+        self._entries: dict[Key, _Entry] = {}
+        self._guard = threading.Lock()
+
+    def _entry(self, key: Key) -> _Entry:
+        with self._guard:
+            return self._entries.setdefault(key, _Entry())
+
+    def request(self, namespace: str, name: str) -> None:
+        """A pass now, or once more right after the pass already running for this job."""
+        entry = self._entry((namespace, name))
+        with entry.guard:
+            entry.dirty = True
+            if entry.running:
+                return
+            entry.running = True
+        try:
+            while True:
+                with entry.guard:
+                    if not entry.dirty:
+                        entry.running = False
+                        return
+                    entry.dirty = False
+                self._run_pass(namespace, name)
+        except BaseException:
+            with entry.guard:
+                entry.running = False
+            raise
+
+    def request_after(self, namespace: str, name: str, delay: float, kind: str, *,
+                      keep_pending: bool = False,
+                      before: Callable[[], None] = lambda: None) -> None:
+        """A pass in ``delay`` seconds, as the one timer of this ``kind``: it replaces a
+        pending one, or with ``keep_pending`` leaves it be (so that a stream of changes
+        cannot keep postponing the pass). ``before`` runs first, on the timer's thread."""
+        entry = self._entry((namespace, name))
+
+        def fire() -> None:
+            before()
+            self.request(namespace, name)
+
+        with entry.guard:
+            pending = entry.timers.get(kind)
+            if pending is not None and pending.is_alive():
+                if keep_pending:
+                    return
+                pending.cancel()
+            timer = threading.Timer(max(0.0, delay), fire)
+            timer.daemon = True
+            entry.timers[kind] = timer
+            timer.start()
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._guard:
+            entry = self._entries.pop((namespace, name), None)
+        for timer in entry.timers.values() if entry is not None else ():
+            timer.cancel()

@@ -1,0 +1,86 @@
+"""The few ways the operator talks to the API server, each with its error handling once."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from datetime import datetime, timezone
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from . import builders
+
+log = logging.getLogger(__name__)
+
+
+def rfc3339(t: float) -> str:
+    """Seconds since the epoch as the API's timestamps want them."""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def list_json(fn, *args, **kwargs) -> list[dict]:
+    # Raw JSON: the client's model deserialisation costs seconds for a thousand pods.
+    return json.loads(fn(*args, _preload_content=False, **kwargs).data)["items"]
+
+
+def ignore_missing(fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
+def create_owned(owner: dict, create: Callable, obj: dict) -> None:
+    """Create ``obj`` owned by ``owner``; one a pass before a restart created is kept."""
+    kopf.adopt(obj, owner=owner)
+    try:
+        create(obj["metadata"]["namespace"], obj)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+
+
+def delete_pods(core: client.CoreV1Api, pool: Executor, pods: list[tuple[str, bool]],
+                namespace: str) -> None:
+    """Delete ``(name, force)`` pods in parallel. No kubelet will confirm deleting a pod on a
+    vanished or dead node: those are forced, so that the name and the place in the count
+    are free at once."""
+    def delete(item):
+        pod, force = item
+        ignore_missing(core.delete_namespaced_pod, pod, namespace,
+                       grace_period_seconds=0 if force else None)
+    list(pool.map(delete, pods))
+
+
+def post_event(core: client.CoreV1Api, body: dict, reason: str, message: str, kind: str,
+               suffix: str, now: float) -> None:
+    """One Event per (job, suffix): a retried pass does not post it twice."""
+    meta = body["metadata"]
+    ref = {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}
+    name = f"{meta['name']}.{meta['uid'][:8]}.{suffix}"
+    event = builders.build_event(ref, reason, message, kind, rfc3339(now), name)
+    try:
+        core.create_namespaced_event(meta["namespace"], event)
+    except ApiException as e:
+        if e.status != 409:
+            log.warning("could not post event %s: %s", reason, e.reason)
+
+
+def write_plan(core: client.CoreV1Api, cm: dict, version: str | None) -> str:
+    """Write the plan ConfigMap only over ``version`` (None: create it); its new version.
+
+    If anyone else wrote it meanwhile (a replica that was active while this one was paused,
+    or one still stopping), the write fails with a conflict, the pass is abandoned and the
+    next one rebuilds from the ConfigMap: two operators can never publish two different
+    plans under one generation number."""
+    meta = cm["metadata"]
+    if version is None:
+        written = core.create_namespaced_config_map(meta["namespace"], cm)
+    else:
+        meta["resourceVersion"] = version
+        written = core.replace_namespaced_config_map(meta["name"], meta["namespace"], cm)
+    return written.metadata.resource_version
