@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kopf
 from kubernetes import client
@@ -22,11 +22,18 @@ from lazarus_core.job_spec import JobSpec
 from lazarus_core.process_env import new_job_key
 
 from . import builders, metrics
-from .kube_api import (create_owned, delete_pods, ignore_missing, post_event, rfc3339,
-                       write_plan)
+from .kube_api import (ObjectConflict, create_owned, delete_pods, ignore_missing, post_event,
+                       rfc3339, write_plan)
 from .observe import Observation
 
 log = logging.getLogger(__name__)
+
+# Worker pods are created in batches that double from one while they succeed, as Kubernetes'
+# ReplicaSet controller does, and at most this many are starting at a time: a pod the API
+# server refuses costs one request, not one per missing worker, and a job far below its
+# target (maxNodes 10000 and no replicas) adds pods as they start running, not 10,000 in one
+# pass. Pending pods are what a cluster autoscaler provisions nodes for, so some must exist.
+MAX_STARTING_PODS = 100
 
 
 @dataclass
@@ -36,6 +43,8 @@ class JobRecord:
     objects_ready: bool = False
     # The name of the job's key Secret (the API server picks it; status.keySecret keeps it).
     key_secret: str | None = None
+    # Worker indices whose pod name is taken by a pod that is not the job's.
+    foreign_indices: set[int] = field(default_factory=set)
     # resourceVersion of the plan ConfigMap the state was built from or last wrote.
     plan_version: str | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
@@ -88,6 +97,22 @@ class Applier:
 
     def event(self, body: dict, reason: str, message: str, kind: str, suffix: str) -> None:
         post_event(self.core, body, reason, message, kind, suffix, self.clock())
+
+    def conflict(self, body: dict, e: ObjectConflict) -> None:
+        """The job cannot go on: Ready=False naming the object in the way (written once,
+        not again while it reads the same), and one Event."""
+        meta = body["metadata"]
+        old = (body.get("status") or {}).get("conditions") or []
+        ready = next((c for c in old if c.get("type") == "Ready"), {})
+        if (ready.get("reason"), ready.get("message")) == ("NameConflict", str(e)):
+            return
+        log.warning("%s/%s: %s", meta["namespace"], meta["name"], e)
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": {
+                "conditions": core.not_ready(old, "NameConflict", str(e),
+                                             rfc3339(self.clock()), meta.get("generation"))}})
+        self.event(body, "NameConflict", str(e), "Warning",
+                   f"conflict.{e.kind.lower()}.{e.name}")
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -152,14 +177,34 @@ class Applier:
         if state.finished:  # nothing will train on the pods still starting
             delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
             return
-        missing = state.missing_workers(len(obs.starting))
+        missing = min(state.missing_workers(len(obs.starting)),
+                      max(0, MAX_STARTING_PODS - len(obs.starting)))
         generation = state.plan.generation if state.plan else 0
-        free = (i for i in range(10**6) if i not in obs.used_indices)
-        pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
-                                          record.key_secret, self.coordinator_port)
-                for _ in range(missing)]
-        list(self._batch.map(
-            lambda pod: create_owned(body, self.core.create_namespaced_pod, pod), pods))
+        free = (i for i in range(10**6)
+                if i not in obs.used_indices and i not in record.foreign_indices)
+
+        def create(pod: dict) -> bool:
+            try:
+                create_owned(body, self.core.create_namespaced_pod,
+                             self.core.read_namespaced_pod, pod)
+            except ObjectConflict as e:
+                # A pod of that name that is not the job's: never adopted, its name skipped.
+                record.foreign_indices.add(int(pod["metadata"]["labels"][builders.INDEX_LABEL]))
+                self.event(body, "NameConflict", str(e), "Warning",
+                           f"conflict.pod.{pod['metadata']['name']}")
+                return False
+            return True
+
+        created, batch = 0, 1
+        while created < missing:
+            pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
+                                              record.key_secret, self.coordinator_port)
+                    for _ in range(min(batch, missing - created))]
+            done = list(self._batch.map(create, pods))
+            created += sum(done)
+            if not all(done):
+                break
+            batch *= 2
         usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
         excess = usable + len(obs.starting) - spec.target_nodes
         if excess > 0:
@@ -178,19 +223,26 @@ class Applier:
             record.key_secret = ((body.get("status") or {}).get("keySecret")
                                  or self._new_key_secret(body))
         port = self.coordinator_port
-        create = {"NetworkPolicy": self.networking.create_namespaced_network_policy,
-                  "ServiceAccount": self.core.create_namespaced_service_account,
-                  "Role": self.rbac.create_namespaced_role,
-                  "RoleBinding": self.rbac.create_namespaced_role_binding,
-                  "Service": self.core.create_namespaced_service,
-                  "Pod": self.core.create_namespaced_pod}
+        calls = {  # kind: (create, read)
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.read_namespaced_network_policy),
+            "ServiceAccount": (self.core.create_namespaced_service_account,
+                               self.core.read_namespaced_service_account),
+            "Role": (self.rbac.create_namespaced_role, self.rbac.read_namespaced_role),
+            "RoleBinding": (self.rbac.create_namespaced_role_binding,
+                            self.rbac.read_namespaced_role_binding),
+            "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service),
+            "Pod": (self.core.create_namespaced_pod, self.core.read_namespaced_pod)}
+        # The policy and the coordinator's account first, its pod last: nothing runs before
+        # what confines it exists, and an object in the way (ObjectConflict) stops the pass
+        # before any pod is made.
         for obj in (builders.build_network_policy(name, namespace),
                     *builders.build_coordinator_access(name, namespace),
                     builders.build_workers_service(name, namespace),
                     builders.build_coordinator_service(name, namespace, port),
                     builders.build_coordinator_pod(name, namespace, spec, record.key_secret,
                                                    port)):
-            create_owned(body, create[obj["kind"]], obj)
+            create_owned(body, *calls[obj["kind"]], obj)
         record.objects_ready = True
 
     def _new_key_secret(self, body: dict) -> str:

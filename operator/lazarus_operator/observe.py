@@ -72,9 +72,11 @@ class Observation:
 
 
 def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
-            job: JobSpec) -> Observation:
+                    job: JobSpec, owner_uid: str) -> Observation:
     """Classify the job's worker pods. ``nodes`` maps each pod's node to its info, or None
-    when the node no longer exists."""
+    when the node no longer exists. Only pods the job owns (``owner_uid``, by owner
+    reference: labels can be copied by anyone who may create a pod) count as its workers,
+    or report its progress; another pod's name is still never reused."""
     notice_taints = set(job.spot_notice_taints)
     out = Observation()
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
@@ -82,7 +84,7 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
         index = (meta.get("labels") or {}).get(INDEX_LABEL, "")
         if index.isdigit():
             out.used_indices.add(int(index))
-        if meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp") or not _owned(meta, owner_uid):
             continue
         phase = status.get("phase", "Pending")
         node_name = spec.get("nodeName")
@@ -114,6 +116,10 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
                                      > (out.progress.generation, out.progress.step)):
             out.progress = progress
     return out
+
+
+def _owned(meta: Mapping, owner_uid: str) -> bool:
+    return any(r.get("uid") == owner_uid for r in meta.get("ownerReferences") or [])
 
 
 def pod_fingerprint(pod: Mapping) -> tuple:

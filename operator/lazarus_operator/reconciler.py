@@ -23,12 +23,13 @@ from kubernetes.client.exceptions import ApiException
 
 from lazarus_core import controller as core
 from lazarus_core.cluster_contract import GROUP, JOB_LABEL, PLURAL, VERSION
-from lazarus_core.job_spec import SpecError, parse_spec
+from lazarus_core.job_spec import JobSpec, SpecError, parse_manifest
 
 from . import builders, metrics
 from .apply import Applier, JobRecord
 from .cluster_cache import ClusterCache
 from .job_queue import JobQueue
+from .kube_api import ObjectConflict
 from .observe import observe_workers
 from .rebuild import rebuild_state
 
@@ -103,10 +104,23 @@ class Reconciler:
                 return
             raise
         try:
-            spec = parse_spec(body.get("spec"))
+            _, spec = parse_manifest(body)
         except SpecError:
             return  # the job handler reported it as a condition; nothing can run
         record = self._record(key)
+        try:
+            self._pass(record, key, body, spec, started)
+        except ObjectConflict as e:
+            # Nothing of the job runs while a name it needs is someone else's; the
+            # heartbeat looks again, two or three requests every RELIST_S.
+            record.state = None
+            self.applier.conflict(body, e)
+        self.queue.request_after(namespace, name, RELIST_S, "heartbeat",
+                                 before=lambda: self._mark_relist(key))
+
+    def _pass(self, record: JobRecord, key: Key, body: dict, spec: JobSpec,
+              started: float) -> None:
+        namespace, name = key
         fresh = record.state is None
         if fresh:
             record.state, record.plan_version = rebuild_state(
@@ -116,7 +130,7 @@ class Reconciler:
             relist = fresh or key in self._relist_due
             self._relist_due.discard(key)
         pods = self.cache.worker_pods(key, builders.selector(name), full=relist)
-        obs = observe_workers(pods, self.cache.node_infos(pods), spec)
+        obs = observe_workers(pods, self.cache.node_infos(pods), spec, body["metadata"]["uid"])
         observed = time.perf_counter()
 
         if fresh and state.plan is not None:
@@ -147,11 +161,6 @@ class Reconciler:
         record.state = outcome.state
         if outcome.retry_at is not None:
             self.queue.request_after(namespace, name, outcome.retry_at - now, "retry")
-        # A pass every RELIST_S even without events, with a full list: a watch can miss a
-        # deletion (for example while this replica was paused by peering). Passes are
-        # level-triggered, so an extra one is harmless.
-        self.queue.request_after(namespace, name, RELIST_S, "heartbeat",
-                                 before=lambda: self._mark_relist(key))
 
     def _record(self, key: Key) -> JobRecord:
         with self._jobs_guard:

@@ -354,3 +354,45 @@ def test_a_job_with_spec_steps_trains_that_many_and_finishes(cluster, stack, scr
                what="the coordinator and workers to exit 0", describe=lambda: str(phases()))
     settle(3)
     assert sorted(phases()) == ["e2e-coordinator", "e2e-worker-0", "e2e-worker-1"]
+
+
+def test_a_hostile_pod_without_the_key_changes_nothing(cluster, stack, scratch_nodes, namespace):
+    """A pod in the job's namespace, wearing the job's label (so a NetworkPolicy selecting
+    the job's pods would let it in too), runs tests/hostile_store_client.py as a real
+    process: it connects to the coordinator's store and, round after round, writes a stop,
+    forges and replays commits and directives, points the workers at a generation of its
+    making, bumps counters and deletes keys. No network plugin runs here, so the job's
+    NetworkPolicy is not enforced and the pod does reach the store: the job's key, which
+    it does not have, is what stops it. The job trains on, in the same generation."""
+    nodes = [n for names in scratch_nodes("gpu-spot", num_zones=2, nodes_per_zone=2).values()
+             for n in names]
+    stack.apply()
+    stack.wait_step(6)
+    generation = stack.generation()
+    coordinator = cluster.core.read_namespaced_pod(f"{stack.name}-coordinator", namespace)
+    port = coordinator.spec.containers[0].ports[0].container_port
+    cluster.core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "hostile", "labels": {"lazarus.dev/kubelet": "local",
+                                                   "lazarus.dev/job": stack.name}},
+        "spec": {"nodeName": nodes[0], "restartPolicy": "Never",
+                 "tolerations": [{"operator": "Exists"}],
+                 "containers": [{
+                     "name": "attacker", "image": "python",
+                     "command": ["python", "tests/hostile_store_client.py", "$(TARGET)"],
+                     "env": [{"name": "TARGET",
+                              "value": f"{stack.name}-coordinator.{namespace}.svc:{port}"}]}]}})
+    attack_log = stack.kubelet.log_path("hostile")
+    wait_until(lambda: attack_log.exists() and len(attack_log.read_text().split()) >= 5,
+               timeout=60, what="the hostile pod's first rounds")
+    attacked_from = stack.last_step()
+    stack.wait_step(attacked_from + 10)
+    rounds = len(attack_log.read_text().split())
+    assert rounds >= 5, attack_log.read_text()[-2000:]
+    # Same generation, no stop, no step committed twice, and the forgeries were seen.
+    assert stack.generation() == generation and not stack.events("finished")
+    commits = stack.commits()
+    assert commits == list(range(1, len(commits) + 1)), commits
+    coordinator_log = stack.kubelet.log_path(f"{stack.name}-coordinator").read_text()
+    assert "not signed with the job's key" in coordinator_log
+    status = stack.jobs.status(stack.name)
+    assert status["generation"] == generation and status["readyNodes"] == 4

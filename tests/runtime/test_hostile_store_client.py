@@ -1,11 +1,13 @@
 """A process without the job's key reaches the job's store while it trains: it writes stops,
-forges commits, directives, reports and checkpoints, bumps counters and deletes keys, over
-and over. The job trains on to the end and computes what it computes without it: the same
-loss at every step, no sample lost or seen twice."""
+forges and replays commits, directives, reports and checkpoints, bumps counters and deletes
+keys, over and over (tests/hostile_store_client.py). The job trains on to the end and
+computes what it computes without it: the same loss at every step, no sample lost or seen
+twice."""
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,35 +20,8 @@ pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4
 
-# What a hostile client does with the store, knowing its key layout but not the job's key.
-ATTACK = r"""
-import datetime, sys, time
-import torch.distributed as dist
-
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
-                      timeout=datetime.timedelta(seconds=30))
-fake_mac = "0" * 64
-rounds = 0
-while True:
-    store.set("lazarus/stop", "1")
-    store.set("lazarus/latest", "99")
-    store.set("lazarus/directive/99", fake_mac + '{"plan": {}, "start_step": 1}')
-    store.set("lazarus/checkpoint", fake_mac + "1000")
-    store.set("lazarus/hello/intruder", "1")
-    for generation in (1, 2):
-        store.set(f"lazarus/adopted/{generation + 1}", "1")
-        store.add(f"lazarus/fetched/{generation + 1}", 10)
-        for step in range(1, 40):
-            store.set(f"lazarus/commit/{generation}/{step}", str(generation + 1))
-            store.add(f"lazarus/prepared/{generation}/{step}", 10)
-            store.set(f"lazarus/report/{generation}/{step}/0", '{"loss": 0, "sample_ids": []}')
-    # Deleting what the coordinator wrote: its owner writes it back.
-    store.delete_key("lazarus/latest")
-    store.delete_key("lazarus/adopted/1")
-    rounds += 1
-    print(rounds, flush=True)
-    time.sleep(0.05)
-"""
+# tests/hostile_store_client.py: the attacker, as a process of its own.
+ATTACKER = Path(__file__).resolve().parents[1] / "hostile_store_client.py"
 
 
 def run_job(path, attack: bool):
@@ -59,10 +34,11 @@ def run_job(path, attack: bool):
     attacker = None
     if attack:
         deadline = time.monotonic() + 60
-        while not hasattr(job, "port") and time.monotonic() < deadline:
+        while job.store is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        attacker = subprocess.Popen([sys.executable, "-c", ATTACK, str(job.port)],
-                                    stdout=subprocess.PIPE, text=True)
+        attacker = subprocess.Popen(
+            [sys.executable, str(ATTACKER), f"127.0.0.1:{job.store.port}"],
+            stdout=subprocess.PIPE, text=True)
     runner.join(timeout=300)
     rounds = 0
     if attacker is not None:

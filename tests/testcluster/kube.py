@@ -29,6 +29,16 @@ def token_client(kubeconfig: str, token: str) -> client.ApiClient:
     return client.ApiClient(conf)
 
 
+def status_of(call) -> int:
+    """The HTTP status a call answers with (200 when it succeeds): how RBAC tests read a
+    request's fate."""
+    try:
+        call()
+    except client.ApiException as e:
+        return e.status
+    return 200
+
+
 def node_ready_status(node: client.V1Node) -> str | None:
     """The status ("True", "False", "Unknown") of the node's Ready condition, if any."""
     for condition in node.status.conditions or []:

@@ -189,7 +189,7 @@ def test_progress_reports_round_trip_with_what_the_coordinator_measured():
                  experts_migrated=5, restored_step=None, experts_lost=0, restores=2)
     pod = _pod("j-worker-0", "a")
     pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = progress_json(p)
-    obs = observe_workers([pod], {"a": NodeInfo.from_manifest(_node("a"))}, SPEC)
+    obs = observe_workers([pod], {"a": NodeInfo.from_manifest(_node("a"))}, SPEC, JOB_UID)
     assert obs.progress == p
 
 
@@ -199,8 +199,13 @@ def _node(name, ready=True, taints=(), labels=None):
             "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(), progress=None):
-    meta = {"name": name, "labels": {builders.INDEX_LABEL: str(index)}, "annotations": {}}
+JOB_UID = "5e2a-job-uid"
+
+
+def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(), progress=None,
+         owner=JOB_UID):
+    meta = {"name": name, "labels": {builders.INDEX_LABEL: str(index)}, "annotations": {},
+            "ownerReferences": [{"kind": "LazarusJob", "name": "j", "uid": owner}]}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     if progress:
@@ -229,7 +234,7 @@ def test_observation_sorts_pods_into_live_starting_noticed_and_doomed():
         _pod("j-worker-7", "d", index=7,
              conditions=[{"type": "DisruptionTarget", "status": "True"}]),
     ]
-    obs = observe_workers(pods, nodes, SPEC)
+    obs = observe_workers(pods, nodes, SPEC, JOB_UID)
     assert [n.name for n in obs.live] == ["a", "b", "d"]
     assert obs.live[0] == NodeSpec("a", 2, 2, "z1", "spot")
     assert obs.noticed == {"b", "d"}
@@ -241,8 +246,19 @@ def test_observation_sorts_pods_into_live_starting_noticed_and_doomed():
 
 def test_a_garbled_progress_report_is_ignored():
     pods = [_pod("j-worker-0", "a", progress={"step": "x"})]
-    obs = observe_workers(pods, {"a": NodeInfo.from_manifest(_node("a"))}, SPEC)
+    obs = observe_workers(pods, {"a": NodeInfo.from_manifest(_node("a"))}, SPEC, JOB_UID)
     assert obs.progress is None and len(obs.live) == 1
+
+
+def test_a_pod_with_the_jobs_labels_that_the_job_does_not_own_counts_for_nothing():
+    """Labels can be copied by anyone who may create a pod; ownership cannot."""
+    nodes = {n: NodeInfo.from_manifest(_node(n)) for n in ("a", "b")}
+    forged = _pod("j-worker-9", "b", index=9, owner="someone-else",
+                  progress={"step": 10**6, "generation": 99})
+    obs = observe_workers([_pod("j-worker-0", "a"), forged], nodes, SPEC, JOB_UID)
+    assert [n.name for n in obs.live] == ["a"] and obs.progress is None
+    assert obs.doomed == [] and obs.starting == []  # and it is not the job's to delete
+    assert obs.used_indices == {0, 9}  # its name is never reused, though
 
 
 def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
