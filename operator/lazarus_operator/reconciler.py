@@ -22,7 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lazarus_core import controller as core
-from lazarus_core.cluster_contract import GROUP, JOB_LABEL, PLURAL, VERSION
+from lazarus_core.cluster_contract import GROUP, JOB_LABEL, KIND, PLURAL, VERSION
 from lazarus_core.job_spec import JobSpec, SpecError, parse_manifest
 
 from . import builders, metrics
@@ -77,9 +77,15 @@ class Reconciler:
                 if job.state is not None and name in job.state.alive]
 
     def pod_changed(self, pod: dict, deleted: bool) -> bool:
-        """Whether a worker pod changed in a way the controller reads."""
+        """Whether a worker pod changed in a way the controller reads. A pod that wears a
+        job's labels but names no LazarusJob of that name as its owner is no reason for a
+        pass: changing it over and over must not keep the operator busy (the exact check,
+        by UID, is the observation's)."""
         meta = pod["metadata"]
         job = (meta.get("namespace", ""), (meta.get("labels") or {}).get(JOB_LABEL, ""))
+        if not any(r.get("kind") == KIND and r.get("name") == job[1]
+                   for r in meta.get("ownerReferences") or []):
+            return False
         return self.cache.pod_changed(job, pod, deleted)
 
     def forget(self, namespace: str, name: str) -> None:

@@ -270,3 +270,20 @@ def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
     assert pod_fingerprint(pod) == before
     pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
     assert pod_fingerprint(pod) != before
+
+
+def test_a_pod_that_names_no_job_as_its_owner_asks_for_no_pass():
+    """Rewriting a labelled pod of one's own over and over must not keep the operator busy."""
+    from kubernetes import client
+    from lazarus_core.cluster_contract import JOB_LABEL
+    from lazarus_operator.reconciler import Reconciler
+
+    reconciler = Reconciler(client.ApiClient())
+    pod = _pod("j-worker-0", "a")
+    pod["metadata"]["labels"][JOB_LABEL] = "j"
+    assert reconciler.pod_changed(pod, deleted=False)
+    forged = _pod("j-worker-1", "a", owner="whatever")
+    forged["metadata"]["labels"][JOB_LABEL] = "j"
+    forged["metadata"]["ownerReferences"] = []
+    assert not reconciler.pod_changed(forged, deleted=False)
+    assert not reconciler.pod_changed(forged, deleted=True)
