@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # tests/testcluster imports as `testcluster` under any pytest import mode.
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
@@ -13,3 +15,17 @@ from testcluster.fixtures import (  # noqa: E402,F401
     scratch_nodes,
 )
 from testcluster.kubelet import local_kubelet  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``gpu`` is skipped where torch sees no CUDA device (CI runs on CPUs)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch  # only when GPU tests are collected: the operator tiers need no torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; hack/gpu-check.sh runs it on one")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -42,6 +42,17 @@ def attack_round(store: dist.Store) -> None:
             store.add(f"lazarus/prepared/{generation}/{step}", 10)
             store.set(f"lazarus/report/{generation}/{step}/0",
                       '{"loss": 0, "sample_ids": [], "loads": null}')
+    # The workers' names are in their hello keys: forged hellos (a worker that claims to
+    # hold everything, fresh from a new incarnation) and forged failure reports from each of
+    # them (a peer failure would make the coordinator re-plan within a second).
+    for key in store.list_keys():
+        if key.startswith("lazarus/hello/") and key != "lazarus/hello/intruder":
+            node = key.rsplit("/", 1)[1]
+            store.set(key, FORGED_MAC + '{"incarnation": "x", "committed": 999999}')
+            for generation in (1, 2, 3):
+                store.set(f"lazarus/failed/{generation}/{node}", FORGED_MAC + "1")
+                store.add(f"lazarus/failed/{generation}", 1)
+    store.set("lazarus/beat/intruder", FORGED_MAC + '{"count": 1, "busy_s": 0}')
     # What the coordinator wrote, deleted: it writes it back.
     store.delete_key("lazarus/latest")
     store.delete_key("lazarus/adopted/1")

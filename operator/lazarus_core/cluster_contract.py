@@ -1,10 +1,13 @@
 """Names shared by the operator and the runtime on Kubernetes, and the encodings of what
 they exchange through the API server.
 
-The operator publishes plans in a ConfigMap and reads progress from a pod annotation; the
-coordinator reads the one and writes the other. Both sides take the names from here, and
-encode and decode the plan ConfigMap's data and the progress report with the functions
-below. (The processes' environment is the other contract: ``process_env``.)
+Two ConfigMaps per job, both owned by the job, each written by one side only: the plan
+(the operator publishes each generation; the coordinator follows it) and the job's state
+(the coordinator writes its progress report, which is also its durable record, and the
+workers it found lost before Kubernetes did; the operator reads both, and a replacement
+coordinator starts from it). Both sides take the names from here, and encode and decode
+the data with the functions below. (The processes' environment is the other contract:
+``process_env``.)
 """
 from __future__ import annotations
 
@@ -23,8 +26,18 @@ ROLE_LABEL = f"{GROUP}/role"
 # experts away (spot notice).
 PLAN_KEY = "plan.json"
 DRAINING_KEY = "draining.json"
-# A progress report (progress_json) on the pod of rank 0.
-PROGRESS_ANNOTATION = f"{GROUP}/progress"
+# The state ConfigMap's keys: the latest progress report, and the nodes whose workers the
+# coordinator declared lost (no heartbeat, a hung loop), each with the reason.
+PROGRESS_KEY = "progress.json"
+SUSPECTS_KEY = "suspects.json"
+
+
+def plan_configmap_name(job: str) -> str:
+    return f"{job}-plan"
+
+
+def state_configmap_name(job: str) -> str:
+    return f"{job}-state"
 
 
 def plan_configmap_data(plan: Plan, draining: Iterable[str] = ()) -> dict[str, str]:
@@ -36,6 +49,29 @@ def plan_configmap_data(plan: Plan, draining: Iterable[str] = ()) -> dict[str, s
 def read_plan_configmap(data: Mapping[str, str]) -> tuple[Plan, frozenset[str]]:
     """(plan, draining nodes); PlanError, KeyError or ValueError when it is unreadable."""
     return Plan.from_json(data[PLAN_KEY]), frozenset(json.loads(data.get(DRAINING_KEY, "[]")))
+
+
+def state_configmap_data(progress: Progress | None,
+                         suspects: Mapping[str, str]) -> dict[str, str]:
+    data = {SUSPECTS_KEY: json.dumps(dict(sorted(suspects.items())))}
+    if progress is not None:
+        data[PROGRESS_KEY] = progress_json(progress)
+    return data
+
+
+def read_state_configmap(data: Mapping[str, str] | None) -> tuple[Progress | None, dict[str, str]]:
+    """(progress, suspects): anything malformed reads as absent (a coordinator bug must not
+    stop the job; the next report counts)."""
+    data = data or {}
+    progress = read_progress(data[PROGRESS_KEY]) if data.get(PROGRESS_KEY) else None
+    try:
+        suspects = json.loads(data.get(SUSPECTS_KEY) or "{}")
+        if not isinstance(suspects, dict):
+            raise ValueError
+        suspects = {str(k): str(v) for k, v in suspects.items()}
+    except ValueError:
+        suspects = {}
+    return progress, suspects
 
 
 def progress_json(p: Progress) -> str:

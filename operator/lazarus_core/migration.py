@@ -10,7 +10,7 @@ spread so that no holder serves more than its share.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,17 +110,21 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
     ``sources`` names the old nodes still able to send: survivors, plus a node under a spot
     notice that is leaving the plan but is still alive.
     """
-    before = holdings(old)
+    return transfers_for({n: h for n, h in holdings(old).items() if n in sources}, new)
+
+
+def transfers_for(held: Mapping[str, Sequence[set[int]]], new: Plan) -> Migration:
+    """Transfers that give every node of ``new`` the experts it lacks, from ``held``: what
+    each node able to send holds, per layer."""
     holders: dict[tuple[int, int], list[str]] = defaultdict(list)
-    for name, per_layer in before.items():
-        if name in sources:
-            for li, es in enumerate(per_layer):
-                for e in es:
-                    holders[li, e].append(name)
+    for name, per_layer in held.items():
+        for li, es in enumerate(per_layer):
+            for e in es:
+                holders[li, e].append(name)
     sends: dict[str, int] = defaultdict(int)
     transfers, lost = [], set()
     for i, node in enumerate(new.nodes):
-        had = before.get(node.name) if node.name in sources else None
+        had = held.get(node.name)
         for li, layer in enumerate(new.layers):
             for e in sorted(set(layer.placement[i])):
                 if had is not None and e in had[li]:

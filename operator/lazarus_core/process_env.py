@@ -22,6 +22,7 @@ CHECKPOINT_PATH = "LAZARUS_CHECKPOINT_PATH"
 CHECKPOINT_EVERY_STEPS = "LAZARUS_CHECKPOINT_EVERY_STEPS"
 # Knobs a user may set through spec.template.env.
 COLLECTIVE_TIMEOUT_S = "LAZARUS_COLLECTIVE_TIMEOUT_S"
+RECONNECT_S = "LAZARUS_RECONNECT_S"  # how long to look for a replacement coordinator
 LOG_LEVEL = "LAZARUS_LOG_LEVEL"
 THREADS = "LAZARUS_THREADS"
 # --- both: the job's name and key, which sign every message between them -------------------
@@ -37,6 +38,7 @@ WORKERS_SERVICE = "LAZARUS_WORKERS_SERVICE"
 GPUS_PER_NODE = "LAZARUS_GPUS_PER_NODE"
 # --- the coordinator (besides JOB, NAMESPACE and PLAN_CONFIGMAP) ------------------------------
 COORDINATOR_PORT = "LAZARUS_COORDINATOR_PORT"
+STATE_CONFIGMAP = "LAZARUS_STATE_CONFIGMAP"  # its progress and durable record
 STEPS = "LAZARUS_STEPS"  # a job that ends after this many steps
 
 
@@ -63,6 +65,7 @@ class WorkerEnv:
     checkpoint_path: str | None = None
     checkpoint_every_steps: int = 0
     collective_timeout_s: float = 60.0
+    reconnect_s: float = 120.0
     log_level: str = "WARNING"
     threads: int = 1
 
@@ -102,6 +105,7 @@ def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
             checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
             checkpoint_every_steps=int(environ.get(CHECKPOINT_EVERY_STEPS) or 0),
             collective_timeout_s=float(environ.get(COLLECTIVE_TIMEOUT_S) or 60),
+            reconnect_s=float(environ.get(RECONNECT_S) or 120),
             log_level=environ.get(LOG_LEVEL) or "WARNING",
             threads=int(environ.get(THREADS) or 1))
     except ValueError as e:
@@ -113,29 +117,31 @@ class CoordinatorEnv:
     job: str
     namespace: str
     plan_configmap: str
+    state_configmap: str
     port: int
     key: str = field(repr=False)
     steps: int | None = None
     log_level: str = "WARNING"
 
 
-def coordinator_env(job: str, namespace: str, plan_configmap: str, port: int,
-                    steps: int | None) -> dict[str, str]:
+def coordinator_env(job: str, namespace: str, plan_configmap: str, state_configmap: str,
+                    port: int, steps: int | None) -> dict[str, str]:
     env = {JOB: job, NAMESPACE: namespace, PLAN_CONFIGMAP: plan_configmap,
-           COORDINATOR_PORT: str(port)}
+           STATE_CONFIGMAP: state_configmap, COORDINATOR_PORT: str(port)}
     if steps is not None:
         env[STEPS] = str(steps)
     return env
 
 
 def read_coordinator_env(environ: Mapping[str, str]) -> CoordinatorEnv:
-    _require(environ, (JOB, NAMESPACE, PLAN_CONFIGMAP, COORDINATOR_PORT, JOB_KEY),
+    _require(environ, (JOB, NAMESPACE, PLAN_CONFIGMAP, STATE_CONFIGMAP, COORDINATOR_PORT,
+                       JOB_KEY),
              "the operator starts the coordinator pod of each LazarusJob")
     try:
         return CoordinatorEnv(
             job=environ[JOB], namespace=environ[NAMESPACE],
-            plan_configmap=environ[PLAN_CONFIGMAP], port=int(environ[COORDINATOR_PORT]),
-            key=_job_key(environ),
+            plan_configmap=environ[PLAN_CONFIGMAP], state_configmap=environ[STATE_CONFIGMAP],
+            port=int(environ[COORDINATOR_PORT]), key=_job_key(environ),
             steps=int(environ[STEPS]) if environ.get(STEPS) else None,
             log_level=environ.get(LOG_LEVEL) or "WARNING")
     except ValueError as e:

@@ -145,11 +145,56 @@ class OptimConfig:
                 raise ValueError(f"{key}: must be in [0, 1), got {b}")
 
 
+# The compute knobs: manifest key -> (ComputeConfig field, allowed values).
+_COMPUTE_KEYS = {
+    "precision": ("precision", ("bf16", "fp32")),
+    "activationCheckpointing": ("activation_checkpointing", ("none", "attention", "full")),
+    "compile": ("compile", ("none", "dense")),
+}
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How a worker computes a step; none of it changes what is trained.
+
+    - ``precision``: ``bf16`` keeps fp32 master weights and optimizer state and computes the
+      router, its softmax and the loss in fp32; ``fp32`` computes everything in fp32. Unset,
+      it is chosen by the device: bf16 on CUDA, fp32 on CPU.
+    - ``activation_checkpointing``: recompute in the backward instead of storing: ``attention``
+      (each block's attention, norms and router) or ``full`` (those and the expert FFNs). The
+      token dispatch, which communicates, is never recomputed.
+    - ``compile``: ``dense`` compiles the attention, norms and router of every block with
+      torch.compile (one graph shared by all blocks).
+    """
+
+    precision: str | None = None
+    activation_checkpointing: str = "none"
+    compile: str = "none"
+
+    def __post_init__(self):
+        for key, (name, allowed) in _COMPUTE_KEYS.items():
+            value = getattr(self, name)
+            if value not in allowed and not (name == "precision" and value is None):
+                raise ValueError(f"{key}: must be one of {', '.join(allowed)}, got {value!r}")
+
+    def precision_on(self, device_type: str) -> str:
+        """The precision on a device of this type ("cuda", "cpu"): as set, else by device."""
+        if self.precision is not None:
+            return self.precision
+        return "bf16" if device_type == "cuda" else "fp32"
+
+    @classmethod
+    def from_manifest(cls, runtime: dict) -> "ComputeConfig":
+        return cls(**{name: runtime[key] for key, (name, _) in _COMPUTE_KEYS.items()
+                      if key in runtime})
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     model: ModelConfig
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     # Seeds parameter initialisation; the data order has its own seed.
     seed: int = 0
 
@@ -162,7 +207,8 @@ class RuntimeConfig:
         if not isinstance(runtime, dict):
             raise ValueError("runtime: must be an object")
         known = {"model", "seed", "dataset", "globalBatch", "dataSeed", "generatedTokens",
-                 "learningRate", "weightDecay", "beta1", "beta2", *_MODEL_KEYS.values()}
+                 "learningRate", "weightDecay", "beta1", "beta2", *_MODEL_KEYS.values(),
+                 *_COMPUTE_KEYS}
         unknown = sorted(set(runtime) - known)
         if unknown:
             raise ValueError(f"runtime: unknown field(s) {', '.join(unknown)}; "
@@ -191,7 +237,8 @@ class RuntimeConfig:
         if data.source == "generated" and data.generated_tokens <= model.seq_len:
             raise ValueError(f"generatedTokens: {data.generated_tokens} tokens cannot fill one "
                              f"sample of seqLen {model.seq_len}; raise generatedTokens")
-        return cls(model=model, data=data, optim=optim, seed=seed)
+        return cls(model=model, data=data, optim=optim,
+                   compute=ComputeConfig.from_manifest(runtime), seed=seed)
 
 
 def _int(d: dict, key: str, default: int | None = None) -> int:

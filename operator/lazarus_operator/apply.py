@@ -24,7 +24,7 @@ from lazarus_core.process_env import new_job_key
 from . import builders, metrics
 from .kube_api import (ObjectConflict, create_owned, delete_pods, ignore_missing, post_event,
                        rfc3339, write_plan)
-from .observe import Observation
+from .observe import CoordinatorObservation, Observation
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ class JobRecord:
 
 class Applier:
     def __init__(self, api: client.CoreV1Api, custom: client.CustomObjectsApi,
-                 clock: Callable[[], float], coordinator_port: int):
+                 policy: client.PolicyV1Api, clock: Callable[[], float], coordinator_port: int):
         self.core = api
         self.custom = custom
+        self.policy = policy
         self.rbac = client.RbacAuthorizationV1Api(api.api_client)
         self.networking = client.NetworkingV1Api(api.api_client)
         self.clock = clock
@@ -66,10 +67,12 @@ class Applier:
         self._background = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lazarus-annotate")
 
     def apply(self, record: JobRecord, body: dict, spec: JobSpec, before: core.JobState,
-              outcome: core.Outcome, obs: Observation, started: float, timing: str) -> None:
+              outcome: core.Outcome, obs: Observation, coordinator: CoordinatorObservation,
+              started: float, timing: str) -> None:
         namespace = body["metadata"]["namespace"]
         state = outcome.state
-        self._ensure_job_objects(record, body, spec)
+        self._ensure_job_objects(record, body)
+        self._keep_coordinator(record, body, spec, state, coordinator)
         for d in outcome.decisions:
             if isinstance(d, core.PublishPlan):
                 self._publish(record, body, d, state.draining, obs, started, timing)
@@ -211,18 +214,17 @@ class Applier:
             surplus = sorted(obs.starting, key=_index)[-excess:]
             delete_pods(self.core, self._batch, [(p, False) for p in surplus], namespace)
 
-    def _ensure_job_objects(self, record: JobRecord, body: dict, spec: JobSpec) -> None:
+    def _ensure_job_objects(self, record: JobRecord, body: dict) -> None:
         """The job's key Secret, its NetworkPolicy, the coordinator's ServiceAccount, Role
-        and RoleBinding, the workers' Service, and the coordinator's pod and Service:
-        created once per job ("already exists" after an operator restart is the normal
-        case)."""
+        and RoleBinding, the workers' Service, the coordinator's Service and disruption
+        budget, and the job's state ConfigMap: created once per job ("already exists" after
+        an operator restart is the normal case, and the object is kept if the job owns it)."""
         if record.objects_ready:
             return
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if record.key_secret is None:
             record.key_secret = ((body.get("status") or {}).get("keySecret")
                                  or self._new_key_secret(body))
-        port = self.coordinator_port
         calls = {  # kind: (create, read)
             "NetworkPolicy": (self.networking.create_namespaced_network_policy,
                               self.networking.read_namespaced_network_policy),
@@ -232,16 +234,19 @@ class Applier:
             "RoleBinding": (self.rbac.create_namespaced_role_binding,
                             self.rbac.read_namespaced_role_binding),
             "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service),
-            "Pod": (self.core.create_namespaced_pod, self.core.read_namespaced_pod)}
-        # The policy and the coordinator's account first, its pod last: nothing runs before
-        # what confines it exists, and an object in the way (ObjectConflict) stops the pass
-        # before any pod is made.
+            "PodDisruptionBudget": (self.policy.create_namespaced_pod_disruption_budget,
+                                    self.policy.read_namespaced_pod_disruption_budget),
+            "ConfigMap": (self.core.create_namespaced_config_map,
+                          self.core.read_namespaced_config_map)}
+        # The policy and the coordinator's account first: nothing runs before what confines
+        # it exists, and an object in the way (ObjectConflict) stops the pass before any pod
+        # is made (the coordinator's pod is ``_keep_coordinator``'s).
         for obj in (builders.build_network_policy(name, namespace),
                     *builders.build_coordinator_access(name, namespace),
                     builders.build_workers_service(name, namespace),
-                    builders.build_coordinator_service(name, namespace, port),
-                    builders.build_coordinator_pod(name, namespace, spec, record.key_secret,
-                                                   port)):
+                    builders.build_coordinator_service(name, namespace, self.coordinator_port),
+                    builders.build_coordinator_pdb(name, namespace),
+                    builders.build_state_configmap(name, namespace)):
             create_owned(body, *calls[obj["kind"]], obj)
         record.objects_ready = True
 
@@ -257,6 +262,29 @@ class Applier:
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": {"keySecret": created}})
         return created
+
+    def _keep_coordinator(self, record: JobRecord, body: dict, spec: JobSpec,
+                          state: core.JobState, coordinator: CoordinatorObservation) -> None:
+        """One coordinator lives while the job trains: a dead one (its process exited, its
+        pod was deleted, its node is gone) is cleaned up and the next incarnation started;
+        it carries on from the job's state ConfigMap and what the workers hold."""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        if coordinator.finished or state.finished:
+            return  # the job is done: its pods stay, with their logs
+        delete_pods(self.core, self._batch, coordinator.doomed, namespace)
+        if coordinator.alive:
+            return
+        create_owned(body, self.core.create_namespaced_pod, self.core.read_namespaced_pod,
+                     builders.build_coordinator_pod(name, namespace, spec, record.key_secret,
+                                                    coordinator.next_index,
+                                                    self.coordinator_port))
+        if coordinator.next_index > 0:
+            metrics.COORDINATOR_REPLACEMENTS.labels(namespace, name).inc()
+            self.event(body, "CoordinatorReplaced",
+                       f"the coordinator is gone; started incarnation "
+                       f"{coordinator.next_index}, which carries on from the job's state and "
+                       f"what the workers hold", "Warning",
+                       f"coordinator.{coordinator.next_index}")
 
     # --- status --------------------------------------------------------------------------
 

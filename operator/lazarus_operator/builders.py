@@ -13,7 +13,7 @@ reaches only that job's objects; the job's key, which signs every message betwee
 
 The contracts with the runtime are defined once in the core: the names of the objects the
 coordinator shares with the operator in ``lazarus_core.cluster_contract`` (the plan
-ConfigMap's keys, the progress annotation, the labels), and the processes' environment in
+ConfigMap's keys, the state ConfigMap's, the labels), and the processes' environment in
 ``lazarus_core.process_env``.
 """
 from __future__ import annotations
@@ -22,11 +22,15 @@ from collections.abc import Mapping
 
 from lazarus_core import process_env as penv
 from lazarus_core.cluster_contract import (API_VERSION, GROUP, JOB_LABEL, KIND, ROLE_LABEL,
-                                           plan_configmap_data)
+                                           plan_configmap_data, plan_configmap_name,
+                                           state_configmap_name)
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.plan import Plan
 
-INDEX_LABEL = f"{GROUP}/worker-index"
+from .capacity import not_spot_affinity
+
+# The index in the name of a worker pod, or of a coordinator pod's incarnation.
+INDEX_LABEL = f"{GROUP}/index"
 GENERATION_ANNOTATION = f"{GROUP}/plan-generation"
 DEFAULT_IMAGE = "ghcr.io/lazarus-moe/runtime:0.1.0"
 DEFAULT_COMMAND = ["python", "-m", "lazarus_runtime.worker"]
@@ -43,17 +47,20 @@ _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop
 _POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def plan_configmap_name(job: str) -> str:
-    return f"{job}-plan"
-
-
 def service_name(job: str) -> str:
     return f"{job}-workers"
 
 
 def coordinator_name(job: str) -> str:
-    """The coordinator's pod and Service, and its ServiceAccount, Role and RoleBinding."""
+    """The coordinator's Service, ServiceAccount, Role, RoleBinding and disruption budget
+    (and the stem of its pods' names)."""
     return f"{job}-coordinator"
+
+
+def coordinator_pod_name(job: str, index: int) -> str:
+    """The coordinator's pod of incarnation ``index``: a replacement gets the next one, so
+    it never waits for its predecessor's name to be freed."""
+    return f"{coordinator_name(job)}-{index}"
 
 
 def key_secret_prefix(job: str) -> str:
@@ -167,16 +174,20 @@ def _quantities(resources: Mapping) -> dict:
 
 
 def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: str,
-                          port: int = COORDINATOR_PORT) -> dict:
+                          index: int = 0, port: int = COORDINATOR_PORT) -> dict:
     """The job's coordinator: one small CPU pod that outlives worker losses. It asks for no
-    GPU and by default tolerates none of the GPU or spot taints the workers tolerate, so it
-    lands on the cluster's regular (on-demand) nodes; ``spec.coordinator`` can pin it. It
-    runs as the job's own ServiceAccount (``build_coordinator_access``)."""
+    GPU, tolerates none of the GPU or spot taints the workers tolerate, and requires a node
+    that no cloud labels as spot, so it lands on the cluster's regular (on-demand) capacity;
+    ``spec.coordinator`` can pin it further. If it dies anyway, the operator starts the next
+    incarnation, which carries on from the job's state ConfigMap and the workers. It runs as
+    the job's own ServiceAccount (``build_coordinator_access``) and reads the job's key from
+    the Secret ``key_secret``."""
     t: Mapping = spec.template
     placement: Mapping = spec.coordinator
-    name = coordinator_name(job)
+    name = coordinator_pod_name(job, index)
     env = [{"name": k, "value": v} for k, v in penv.coordinator_env(
-        job, namespace, plan_configmap_name(job), port, spec.steps).items()]
+        job, namespace, plan_configmap_name(job), state_configmap_name(job), port,
+        spec.steps).items()]
     env.append(_key_env(key_secret))
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
@@ -195,13 +206,15 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: s
         container["imagePullPolicy"] = t["imagePullPolicy"]
     pod_spec = {
         "containers": [container],
-        # Its store is the job's memory of this run: a restarted coordinator would not
-        # know it, so it is not restarted in place.
+        # A dead coordinator is replaced by a new pod (the operator's choice of node and
+        # name), not restarted in place: its node may be the thing that died.
         "restartPolicy": "Never",
         "securityContext": dict(_POD_SECURITY),
-        "serviceAccountName": name,
-        "automountServiceAccountToken": True,  # it follows the plan through the API server
+        "serviceAccountName": coordinator_name(job),
+        # It follows the plan and writes the job's state through the API server.
+        "automountServiceAccountToken": True,
         "nodeSelector": dict(placement.get("nodeSelector", {})),
+        "affinity": not_spot_affinity(),
         "tolerations": list(placement.get("tolerations", [])),
         "enableServiceLinks": False,
         "volumes": [],
@@ -211,8 +224,33 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: s
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace,
-                     "labels": _labels(job, "coordinator", t)},
+                     "labels": _labels(job, "coordinator", t) | {INDEX_LABEL: str(index)}},
         "spec": pod_spec,
+    }
+
+
+def build_coordinator_pdb(job: str, namespace: str) -> dict:
+    """Keeps voluntary disruptions (a drain, an autoscaler's consolidation) from taking the
+    coordinator casually; to move it on purpose, delete its pod: a new one starts at once."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": coordinator_name(job), "namespace": namespace,
+                     "labels": {JOB_LABEL: job}},
+        "spec": {"minAvailable": 1,
+                 "selector": {"matchLabels": {JOB_LABEL: job, ROLE_LABEL: "coordinator"}}},
+    }
+
+
+def build_state_configmap(job: str, namespace: str) -> dict:
+    """The job's state, written by its coordinator (cluster_contract: progress and lost
+    workers); the operator creates it empty, so that the job owns it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": state_configmap_name(job), "namespace": namespace,
+                     "labels": {JOB_LABEL: job, ROLE_LABEL: "state"}},
+        "data": {},
     }
 
 
@@ -288,11 +326,10 @@ def build_coordinator_access(job: str, namespace: str) -> list[dict]:
         # field selector is allowed by resourceNames).
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"],
          "resourceNames": [plan_configmap_name(job)]},
-        # Report progress on the pod of rank 0 (PROGRESS_ANNOTATION), found by its node.
-        # Worker pods come and go under new names, so this cannot be narrowed to them by
-        # name; when progress moves to an object of the job's own (issue #14), this rule
-        # moves to that object, by name.
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch"]},
+        # Write the job's state (progress, lost workers), the durable record its next
+        # incarnation starts from: its one ConfigMap, by name. No pod rights at all.
+        {"apiGroups": [""], "resources": ["configmaps"],
+         "verbs": ["get", "patch"], "resourceNames": [state_configmap_name(job)]},
     ]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta),

@@ -1,9 +1,10 @@
-"""What the watches told the operator about the job's pods and their nodes.
+"""What the watches told the operator about a job's pods, their nodes and the job's state.
 
 A re-plan must not wait for a list of 500 pods or a lookup of each node, so passes read
-pods and nodes from here, kept current by the watch handlers. The cache can never drift
-far: a fresh job state and the periodic heartbeat pass list the job's pods in full and
-re-read their nodes, which catches a deletion a watch missed.
+pods, nodes and the state ConfigMap the coordinator writes from here, kept current by the
+watch handlers. The cache can never drift far: a fresh job state and the periodic heartbeat
+pass list the job's pods in full, re-read their nodes and the state, which catches anything
+a watch missed.
 """
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from collections.abc import Iterable
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from lazarus_core.cluster_contract import JOB_LABEL, ROLE_LABEL, state_configmap_name
+
 from .kube_api import list_json
 from .observe import NodeInfo, pod_fingerprint
 
 Key = tuple[str, str]  # (namespace, job name)
+ROLES = ("worker", "coordinator")
 
 
 class ClusterCache:
@@ -27,8 +31,9 @@ class ClusterCache:
         # Nodes the watch saw deleted: known gone without asking the API server (a spot
         # reclaim deletes many at once, and each lookup would delay the re-plan).
         self.gone: set[str] = set()
-        self._pods: dict[Key, dict[str, dict]] = {}
+        self._pods: dict[tuple[Key, str], dict[str, dict]] = {}  # (job, role) -> pods
         self._fingerprints: dict[tuple[str, str], tuple] = {}
+        self._states: dict[Key, dict[str, str]] = {}
         self._guard = threading.Lock()
 
     # --- fed by the watches --------------------------------------------------------------
@@ -47,14 +52,14 @@ class ClusterCache:
         return before is None or after is None or (before.ready, before.taints) != (
             after.ready, after.taints)
 
-    def pod_changed(self, job: Key, pod: dict, deleted: bool) -> bool:
-        """Record a worker pod event; whether it changed anything the controller reads (not,
-        for example, the operator's own generation annotation: hundreds of those must not
+    def pod_changed(self, job: Key, role: str, pod: dict, deleted: bool) -> bool:
+        """Record a pod event; whether it changed anything the controller reads (not, for
+        example, the operator's own generation annotation: hundreds of those must not
         trigger re-plans)."""
         name = pod["metadata"]["name"]
         key = (job[0], name)
         with self._guard:
-            pods = self._pods.setdefault(job, {})
+            pods = self._pods.setdefault((job, role), {})
             if deleted:
                 pods.pop(name, None)
                 self._fingerprints.pop(key, None)
@@ -66,25 +71,53 @@ class ClusterCache:
             self._fingerprints[key] = fingerprint
             return True
 
+    def state_changed(self, job: Key, data: dict[str, str] | None) -> bool:
+        """Record the job's state ConfigMap (None: deleted); whether it changed."""
+        with self._guard:
+            before = self._states.get(job)
+            self._states[job] = dict(data or {})
+            return before != self._states[job]
+
     def forget(self, job: Key) -> None:
         with self._guard:
-            for name in self._pods.pop(job, {}):
-                self._fingerprints.pop((job[0], name), None)
+            for role in ROLES:
+                for name in self._pods.pop((job, role), {}):
+                    self._fingerprints.pop((job[0], name), None)
+            self._states.pop(job, None)
 
     # --- read by passes ------------------------------------------------------------------
 
-    def worker_pods(self, job: Key, selector: str, full: bool) -> list[dict]:
-        """The job's pods: from the watch, or, with ``full``, listed afresh (and their nodes
-        re-read). Pods this operator created moments ago may not be in the cache yet:
-        creating them again meets "already exists", which is harmless."""
+    def pods(self, job: Key, role: str, full: bool) -> list[dict]:
+        """The job's pods of ``role``: from the watch, or, with ``full``, listed afresh (and
+        their nodes re-read). Pods this operator created moments ago may not be in the cache
+        yet: creating them again meets "already exists", which is harmless."""
         if not full:
             with self._guard:
-                return list(self._pods.get(job, {}).values())
-        pods = list_json(self.core.list_namespaced_pod, job[0], label_selector=selector)
+                return list(self._pods.get((job, role), {}).values())
+        pods = list_json(self.core.list_namespaced_pod, job[0],
+                         label_selector=f"{JOB_LABEL}={job[1]},{ROLE_LABEL}={role}")
         with self._guard:
-            self._pods[job] = {p["metadata"]["name"]: p for p in pods}
+            self._pods[(job, role)] = {p["metadata"]["name"]: p for p in pods}
         self._refresh_nodes(pods)
         return pods
+
+    def state(self, job: Key, owner_uid: str, full: bool) -> dict[str, str]:
+        """The data of the job's state ConfigMap: from the watch (which records only the
+        job's own), or read afresh; empty if the ConfigMap of that name is not the job's
+        (``owner_uid``): a ConfigMap in the way is the job's NameConflict, never its state."""
+        if full or job not in self._states:
+            try:
+                cm = self.core.read_namespaced_config_map(state_configmap_name(job[1]), job[0])
+                owners = cm.metadata.owner_references or []
+                data = (cm.data or {}) if any(r.uid == owner_uid for r in owners) else {}
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                data = {}
+            with self._guard:
+                self._states[job] = dict(data)
+        with self._guard:
+            return dict(self._states[job])
 
     def node_infos(self, pods: Iterable[dict]) -> dict[str, NodeInfo | None]:
         """Each pod's node, None when it no longer exists."""

@@ -74,11 +74,20 @@ def job_event(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo, 
         memo.reconciler.forget(namespace, name)
 
 
-@kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: "worker"})
-def worker_pod_event(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
-                     memo: kopf.Memo, **_) -> None:
-    """Deleted, failed, evicted, scheduled, running, a DisruptionTarget condition, progress."""
+@kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: kopf.PRESENT})
+def job_pod_event(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
+                  memo: kopf.Memo, **_) -> None:
+    """A worker or the coordinator: deleted, failed, evicted, scheduled, running, or a
+    DisruptionTarget condition."""
     if memo.reconciler.pod_changed(event["object"], deleted=event["type"] == "DELETED"):
+        memo.reconciler.request(namespace, labels[JOB_LABEL])
+
+
+@kopf.on.event("configmaps", labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: "state"})
+def job_state_event(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
+                    memo: kopf.Memo, **_) -> None:
+    """The coordinator's progress report, or workers it found lost."""
+    if memo.reconciler.state_changed(event["object"], deleted=event["type"] == "DELETED"):
         memo.reconciler.request(namespace, labels[JOB_LABEL])
 
 

@@ -28,6 +28,9 @@ CHECKPOINT_RESTORES = Counter(
     "lazarus_checkpoint_restores_total",
     "Generations the workers adopted by restoring a checkpoint because some expert had lost "
     "every replica (as the coordinator measured it)", _JOB)
+COORDINATOR_REPLACEMENTS = Counter(
+    "lazarus_coordinator_replacements_total",
+    "Coordinator pods started because the one before died (its process, pod or node)", _JOB)
 PLAN_GENERATION = Gauge("lazarus_plan_generation", "Latest published plan generation", _JOB)
 READY_NODES = Gauge("lazarus_ready_nodes", "Nodes of the current plan with a live worker", _JOB)
 
@@ -36,7 +39,7 @@ def forget(namespace: str, job: str) -> None:
     """Drop a deleted job's series so they do not linger at their last value."""
     for metric in (RECOVERY_PROBABILITY, LOWEST_REPLICAS, PLAN_GENERATION, READY_NODES,
                    RECONFIGURATIONS, RECONFIGURATION_SECONDS, EXPERTS_MIGRATED, SOLVER_SECONDS,
-                   CHECKPOINT_RESTORES):
+                   CHECKPOINT_RESTORES, COORDINATOR_REPLACEMENTS):
         for labels in list(metric._metrics):  # prometheus-client has no public lookup
             if labels[:2] == (namespace, job):
                 metric.remove(*labels)

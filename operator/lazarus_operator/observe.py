@@ -2,28 +2,20 @@
 
 Pure functions over pod and node manifests (dicts as the API returns them): which nodes
 have a live worker, which are under a spot notice, which pods are still starting, which
-must be cleaned up, and the latest progress report. Unit-tested without a cluster.
+must be cleaned up, and whether the job's coordinator lives. Unit-tested without a cluster.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lazarus_core.cluster_contract import PROGRESS_ANNOTATION, read_progress
-from lazarus_core.controller import Progress
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.topology import NodeSpec
 
 from .builders import INDEX_LABEL
+from .capacity import is_spot
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
-# Every cloud labels spot capacity its own way; any of these marks a node as spot.
-_SPOT_LABELS = {
-    "karpenter.sh/capacity-type": "spot",
-    "eks.amazonaws.com/capacityType": "SPOT",
-    "cloud.google.com/gke-spot": "true",
-    "cloud.google.com/gke-preemptible": "true",
-}
 
 
 @dataclass(frozen=True)
@@ -45,7 +37,7 @@ class NodeInfo:
         return cls(
             name=meta["name"],
             zone=labels.get(ZONE_LABEL, ""),
-            spot=any(labels.get(k) == v for k, v in _SPOT_LABELS.items()),
+            spot=is_spot(labels),
             ready=ready and not meta.get("deletionTimestamp"),
             taints=taints,
         )
@@ -68,15 +60,18 @@ class Observation:
     # Pods to delete: finished or failed, or stranded on a node that is gone or NotReady.
     # (name, force): force for pods no kubelet will ever confirm deleting.
     doomed: list[tuple[str, bool]] = field(default_factory=list)
-    progress: Progress | None = None
 
 
 def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
-                    job: JobSpec, owner_uid: str) -> Observation:
+                    job: JobSpec, owner_uid: str,
+                    suspects: Collection[str] = ()) -> Observation:
     """Classify the job's worker pods. ``nodes`` maps each pod's node to its info, or None
     when the node no longer exists. Only pods the job owns (``owner_uid``, by owner
-    reference: labels can be copied by anyone who may create a pod) count as its workers,
-    or report its progress; another pod's name is still never reused."""
+    reference: labels can be copied by anyone who may create a pod) count as its workers;
+    another pod's name is still never reused. ``suspects``: nodes whose workers the
+    coordinator found lost (no heartbeat, a hung loop) while Kubernetes still shows them
+    running: they count as lost, but their pods are kept, so that a worker that resumes can
+    be taken back."""
     notice_taints = set(job.spot_notice_taints)
     out = Observation()
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
@@ -107,14 +102,50 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
             out.doomed.append((meta["name"], False))
             continue
         out.pod_on[node_name] = meta["name"]
+        if node_name in suspects:
+            continue
         out.live.append(node.spec(job))
         if node.taints & notice_taints or _disruption_target(status):
             out.noticed.add(node_name)
-        progress = _progress(meta)
-        if progress is not None and (out.progress is None or
-                                     (progress.generation, progress.step)
-                                     > (out.progress.generation, out.progress.step)):
-            out.progress = progress
+    return out
+
+
+@dataclass
+class CoordinatorObservation:
+    alive: bool = False
+    # It exited 0: the job trained spec.steps steps (a coordinator stopped any other way
+    # exits non-zero). Nothing to replace, and its pod stays, with its log.
+    finished: bool = False
+    # Its dead incarnations' pods, to clean up: (name, force) as for workers.
+    doomed: list[tuple[str, bool]] = field(default_factory=list)
+    next_index: int = 0
+
+
+def observe_coordinator(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
+                        owner_uid: str) -> CoordinatorObservation:
+    """Whether some incarnation of the job's coordinator is alive (running, or on its way)
+    or finished the job, and which dead ones to clean up: failed, or on a node that is gone
+    or NotReady (whose kubelet will never report the process's fate). Only pods the job owns
+    count (a pod that merely wears the labels cannot pass for a live or finished one); the
+    next incarnation's name skips every labelled pod's."""
+    out = CoordinatorObservation()
+    for pod in pods:
+        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        index = (meta.get("labels") or {}).get(INDEX_LABEL, "")
+        if index.isdigit():
+            out.next_index = max(out.next_index, int(index) + 1)
+        if meta.get("deletionTimestamp") or not _owned(meta, owner_uid):
+            continue
+        node_name = spec.get("nodeName")
+        node = nodes.get(node_name) if node_name else None
+        if status.get("phase") == "Succeeded":
+            out.finished = True
+        elif status.get("phase") == "Failed":
+            out.doomed.append((meta["name"], False))
+        elif node_name and (node is None or not node.ready):
+            out.doomed.append((meta["name"], True))
+        else:
+            out.alive = True
     return out
 
 
@@ -130,7 +161,6 @@ def pod_fingerprint(pod: Mapping) -> tuple:
         (pod.get("spec") or {}).get("nodeName"),
         bool(meta.get("deletionTimestamp")),
         _disruption_target(status),
-        (meta.get("annotations") or {}).get(PROGRESS_ANNOTATION),
         (meta.get("labels") or {}).get(INDEX_LABEL),
     )
 
@@ -140,7 +170,3 @@ def _disruption_target(status: Mapping) -> bool:
     return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
                for c in status.get("conditions") or [])
 
-
-def _progress(meta: Mapping) -> Progress | None:
-    raw = (meta.get("annotations") or {}).get(PROGRESS_ANNOTATION)
-    return read_progress(raw) if raw else None

@@ -22,7 +22,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lazarus_core import controller as core
-from lazarus_core.cluster_contract import GROUP, JOB_LABEL, KIND, PLURAL, VERSION
+from lazarus_core.cluster_contract import (GROUP, JOB_LABEL, KIND, PLURAL, ROLE_LABEL, VERSION,
+                                           read_state_configmap, state_configmap_name)
 from lazarus_core.job_spec import JobSpec, SpecError, parse_manifest
 
 from . import builders, metrics
@@ -30,7 +31,7 @@ from .apply import Applier, JobRecord
 from .cluster_cache import ClusterCache
 from .job_queue import JobQueue
 from .kube_api import ObjectConflict
-from .observe import observe_workers
+from .observe import observe_coordinator, observe_workers
 from .rebuild import rebuild_state
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class Reconciler:
         self.clock = clock
         self.cache = ClusterCache(self.core)
         self.queue = JobQueue(self.reconcile)
-        self.applier = Applier(self.core, self.custom, clock, coordinator_port)
+        self.applier = Applier(self.core, self.custom, client.PolicyV1Api(api), clock,
+                               coordinator_port)
         self.jobs: dict[Key, JobRecord] = {}
         self._relist_due: set[Key] = set()
         self._jobs_guard = threading.Lock()
@@ -77,16 +79,24 @@ class Reconciler:
                 if job.state is not None and name in job.state.alive]
 
     def pod_changed(self, pod: dict, deleted: bool) -> bool:
-        """Whether a worker pod changed in a way the controller reads. A pod that wears a
-        job's labels but names no LazarusJob of that name as its owner is no reason for a
-        pass: changing it over and over must not keep the operator busy (the exact check,
-        by UID, is the observation's)."""
+        """Whether a worker or coordinator pod changed in a way the controller reads. A pod
+        that wears a job's labels but names no LazarusJob of that name as its owner is no
+        reason for a pass: changing it over and over must not keep the operator busy (the
+        exact check, by UID, is the observation's)."""
         meta = pod["metadata"]
-        job = (meta.get("namespace", ""), (meta.get("labels") or {}).get(JOB_LABEL, ""))
-        if not any(r.get("kind") == KIND and r.get("name") == job[1]
-                   for r in meta.get("ownerReferences") or []):
+        labels = meta.get("labels") or {}
+        job = (meta.get("namespace", ""), labels.get(JOB_LABEL, ""))
+        if not _names_owner(meta, job[1]):
             return False
-        return self.cache.pod_changed(job, pod, deleted)
+        return self.cache.pod_changed(job, labels.get(ROLE_LABEL, ""), pod, deleted)
+
+    def state_changed(self, configmap: dict, deleted: bool) -> bool:
+        """Whether the job's state (the coordinator's progress, lost workers) changed."""
+        meta = configmap["metadata"]
+        job = (meta.get("namespace", ""), (meta.get("labels") or {}).get(JOB_LABEL, ""))
+        if meta.get("name") != state_configmap_name(job[1]) or not _names_owner(meta, job[1]):
+            return False  # not the job's: the pass reads the job's own, by UID
+        return self.cache.state_changed(job, None if deleted else configmap.get("data"))
 
     def forget(self, namespace: str, name: str) -> None:
         with self._jobs_guard:
@@ -135,8 +145,12 @@ class Reconciler:
         with self._jobs_guard:
             relist = fresh or key in self._relist_due
             self._relist_due.discard(key)
-        pods = self.cache.worker_pods(key, builders.selector(name), full=relist)
-        obs = observe_workers(pods, self.cache.node_infos(pods), spec, body["metadata"]["uid"])
+        uid = body["metadata"]["uid"]
+        pods = self.cache.pods(key, "worker", full=relist)
+        progress, suspects = read_state_configmap(self.cache.state(key, uid, full=relist))
+        obs = observe_workers(pods, self.cache.node_infos(pods), spec, uid, suspects)
+        coordinators = self.cache.pods(key, "coordinator", full=relist)
+        coordinator = observe_coordinator(coordinators, self.cache.node_infos(coordinators), uid)
         observed = time.perf_counter()
 
         if fresh and state.plan is not None:
@@ -144,8 +158,8 @@ class Reconciler:
         events: list[core.Event] = core.observe(state, obs.live, obs.noticed)
         if fresh or spec != state.spec:
             events.append(core.SpecChanged(spec))
-        if obs.progress is not None and _newer(obs.progress, state):
-            events.append(obs.progress)
+        if progress is not None and _newer(progress, state):
+            events.append(progress)
         events.append(core.Tick())
         now = self.clock()
         t0 = time.perf_counter()
@@ -160,7 +174,8 @@ class Reconciler:
         metrics.SOLVER_SECONDS.labels(namespace, name).observe(solved)
         timing = f"observe {observed - started:.3f} s, solve {solved:.3f} s"
         try:
-            self.applier.apply(record, body, spec, state, outcome, obs, started, timing)
+            self.applier.apply(record, body, spec, state, outcome, obs, coordinator, started,
+                               timing)
         except Exception:
             record.state = None  # rebuild from the API server next time: it is the truth
             raise
@@ -175,6 +190,12 @@ class Reconciler:
     def _mark_relist(self, key: Key) -> None:
         with self._jobs_guard:
             self._relist_due.add(key)
+
+
+def _names_owner(meta: dict, job: str) -> bool:
+    """Whether an object names the LazarusJob ``job`` among its owners."""
+    return any(r.get("kind") == KIND and r.get("name") == job
+               for r in meta.get("ownerReferences") or [])
 
 
 def _newer(p: core.Progress, state: core.JobState) -> bool:

@@ -7,8 +7,16 @@ lost worker never takes the store with it. It follows the plans the operator pub
 the job's plan ConfigMap and drives the workers through them with the local backend's
 StepCoordinator. A plan that drops a live member's node (a failure) is published at once,
 and the step in flight is redone; any other change (growth, a spot notice, a rebalance)
-waits for the next step boundary, so no step is lost. Progress goes where the operator
-reads it: an annotation on the pod of rank 0. One JSON line per event goes to stdout.
+waits for the next step boundary, so no step is lost.
+
+It writes the job's state ConfigMap, off the step loop: its progress report, which is also
+the job's durable record (committed step, generation, newest checkpoint, restores), and the
+workers it found lost from their heartbeats and their peers' failure reports, long before
+Kubernetes would (the operator re-plans without them at once).
+
+It can die and be replaced (the operator starts a new pod): the new one reads that record,
+waits for the workers to reconnect and say what they hold, and carries on from there. One
+JSON line per event goes to stdout.
 """
 from __future__ import annotations
 
@@ -25,13 +33,20 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from kubernetes import client, config, watch
 from lazarus_core import process_env as penv
-from lazarus_core.cluster_contract import (JOB_LABEL, PROGRESS_ANNOTATION, ROLE_LABEL,
-                                           progress_json, read_plan_configmap)
+from lazarus_core.cluster_contract import (read_plan_configmap, read_state_configmap,
+                                           state_configmap_data)
 from lazarus_core.controller import STALLED, Progress
 from lazarus_core.plan import Plan, PlanError
 
 from .coordination import PreparedStep, StepCoordinator
 from .job_channel import JobChannel
+
+# A replacement coordinator gives the workers of the plan this long to reconnect; those that
+# do not are reported lost (their node may have gone with the coordinator's).
+RECONNECT_WAIT_S = 10.0
+# A worker found lost and silent ever since is forgotten after this long: Kubernetes has long
+# seen its node or pod go by then.
+FORGET_LOST_S = 600.0
 
 log = logging.getLogger("lazarus.coordinator")
 
@@ -43,9 +58,13 @@ class Published:
     draining: frozenset[str]
 
     @property
+    def plan_nodes(self) -> list[str]:
+        return [n.name for n in self.plan.nodes]
+
+    @property
     def alive(self) -> set[str]:
         """Nodes whose workers the operator counts as running."""
-        return {n.name for n in self.plan.nodes} | self.draining
+        return set(self.plan_nodes) | self.draining
 
 
 class PlanFollower:
@@ -87,93 +106,117 @@ class PlanFollower:
                 self._newest = published
 
 
-class ProgressReporter:
-    """Writes the newest progress on the pod of rank 0, off the step loop (a slow API call
-    must not hold up training; a report overtaken by a newer one is simply dropped), at
-    most every ``MIN_INTERVAL_S``: each write is a pass of the operator over the job."""
+class StateReporter:
+    """Writes the job's state ConfigMap off the step loop (a slow API call must not hold up
+    training): the newest progress at most every ``MIN_INTERVAL_S`` (each write is a pass
+    of the operator over the job; a report overtaken by a newer one is simply dropped), a
+    change of the lost workers at once."""
 
     MIN_INTERVAL_S = 0.5
 
-    def __init__(self, core: client.CoreV1Api, namespace: str, job: str):
-        self.core, self.namespace, self.job = core, namespace, job
-        self._pods: dict[str, str] = {}  # node -> worker pod
-        self._latest: tuple[str, dict] | None = None
+    def __init__(self, core: client.CoreV1Api, namespace: str, name: str):
+        self.core, self.namespace, self.name = core, namespace, name
+        self._progress: Progress | None = None
+        self._suspects: dict[str, str] = {}
+        # The workers a predecessor had found lost (see ClusterCoordinator._watch_workers).
+        self.inherited: dict[str, str] = {}
+        self._dirty = False
+        self._urgent = False
         self._writing = False
         self._ready = threading.Condition()
 
-    def start(self) -> "ProgressReporter":
-        threading.Thread(target=self._write, name="progress", daemon=True).start()
+    def read(self) -> Progress | None:
+        """The durable record a predecessor left (None on a job's first coordinator)."""
+        try:
+            cm = self.core.read_namespaced_config_map(self.name, self.namespace)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        progress, self.inherited = read_state_configmap(cm.data)
+        return progress
+
+    def start(self) -> "StateReporter":
+        threading.Thread(target=self._write, name="state", daemon=True).start()
         return self
 
-    def report(self, node: str, progress: Progress) -> None:
+    def report(self, progress: Progress) -> None:
         with self._ready:
-            self._latest = (node, progress)
+            self._progress, self._dirty = progress, True
             self._ready.notify_all()
+
+    def suspect(self, suspects: dict[str, str]) -> None:
+        with self._ready:
+            if suspects != self._suspects:
+                self._suspects, self._dirty, self._urgent = dict(suspects), True, True
+                self._ready.notify_all()
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until the latest report is written (the last one, before exiting)."""
         with self._ready:
-            self._ready.wait_for(lambda: self._latest is None and not self._writing,
+            self._ready.wait_for(lambda: not self._dirty and not self._writing,
                                  timeout=timeout_s)
 
     def _write(self) -> None:
+        last = 0.0
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: self._latest is not None)
-                node, progress = self._latest
-                self._latest = None
+                self._ready.wait_for(lambda: self._dirty)
+                if not self._urgent:
+                    self._ready.wait_for(lambda: self._urgent,
+                                         timeout=max(0.0, last + self.MIN_INTERVAL_S
+                                                     - time.monotonic()))
+                data = state_configmap_data(self._progress, self._suspects)
+                self._dirty = self._urgent = False
                 self._writing = True
             try:
-                pod = self._pod_on(node)
-                if pod is not None:
-                    self.core.patch_namespaced_pod(pod, self.namespace, {"metadata": {
-                        "annotations": {PROGRESS_ANNOTATION: progress_json(progress)}}})
+                self.core.patch_namespaced_config_map(self.name, self.namespace,
+                                                      {"data": data})
             except client.ApiException as e:
-                self._pods.pop(node, None)  # replaced or gone: look it up again next time
-                log.warning("could not report progress on %s's pod: %s", node, e.reason)
+                log.warning("could not write the job's state: %s", e.reason)
+                with self._ready:
+                    self._dirty = True  # retried with the next report or the next turn
+            last = time.monotonic()
             with self._ready:
                 self._writing = False
                 self._ready.notify_all()
-            time.sleep(self.MIN_INTERVAL_S)
-
-    def _pod_on(self, node: str) -> str | None:
-        if node not in self._pods:
-            pods = self.core.list_namespaced_pod(
-                self.namespace, label_selector=f"{JOB_LABEL}={self.job},{ROLE_LABEL}=worker",
-                field_selector=f"spec.nodeName={node}").items
-            live = [p.metadata.name for p in pods if not p.metadata.deletion_timestamp]
-            if not live:
-                return None
-            self._pods[node] = live[0]
-        return self._pods[node]
 
 
 class ClusterCoordinator:
-    def __init__(self, chan: JobChannel, plans: PlanFollower, progress: ProgressReporter,
-                 total_steps: int | None = None):
+    def __init__(self, chan: JobChannel, plans: PlanFollower, state: StateReporter,
+                 total_steps: int | None = None, record: Progress | None = None):
+        """``record``: the durable record a predecessor left, None on the job's first."""
         self.chan = chan
         self.total_steps = total_steps
         self.plans = plans
-        self.progress = progress
+        self.state = state
+        self.record = record
         # It runs as long as the job: only the last reconfigurations are kept in memory.
         self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line),
                                      keep_reconfigurations=16)
         self.pending: Published | None = None  # the newest plan, not published yet
         self.seen = 0
+        self.started = time.monotonic()
+        self.resumed = False
+        self.suspects: dict[str, str] = {}
+        self.lost_since: dict[str, float] = {}
         self.stopping = threading.Event()
 
     def run(self) -> None:
+        # Stopping (SIGTERM) tells the workers nothing: this pod may be being replaced, and
+        # a deleted job's workers are deleted with it. Only the last step stops them.
         while not self.stopping.is_set():
             self.tick()
             time.sleep(0.002)
-        self.chan.stop()
 
     def tick(self) -> None:
-        """Take the newest plan if it can be published now, then commit a prepared step."""
+        """Take the newest plan if it can be published now, commit a prepared step, and
+        say which workers are lost."""
         self._follow_plans()
         prepared = self.steps.poll()
         if prepared is not None:
             self._complete(prepared)
+        self._watch_workers()
 
     def _follow_plans(self) -> None:
         newest = self.plans.newest()
@@ -185,6 +228,11 @@ class ClusterCoordinator:
             self._publish(self.pending, boundary=None)
 
     def _complete(self, prepared: PreparedStep) -> None:
+        # Logged before it is committed: if this process dies in between, the step is either
+        # applied by the workers all the same (a replacement rolls it forward) or redone and
+        # logged again; never applied without a trace.
+        emit("step", step=prepared.step, generation=prepared.generation, loss=prepared.loss,
+             samples=prepared.sample_ids)
         last = self.total_steps is not None and prepared.step >= self.total_steps
         if last:
             self.steps.commit(prepared, last=True)  # the workers apply it and stop
@@ -192,11 +240,9 @@ class ClusterCoordinator:
             self._publish(self.pending, boundary=prepared)
         else:
             self.steps.commit(prepared)
-        emit("step", step=prepared.step, generation=prepared.generation, loss=prepared.loss)
-        plan = self.steps.directive.plan
-        self.progress.report(plan.nodes[0].name, self.steps.progress(prepared))
+        self.state.report(self.steps.progress(prepared))
         if last:
-            self.progress.flush()  # the operator learns from it that the job is done
+            self.state.flush()  # the operator learns from it that the job is done
             emit("finished", step=prepared.step)
             self.stopping.set()
 
@@ -215,17 +261,72 @@ class ClusterCoordinator:
                 and all(n.name in p.alive for n in d.plan.nodes) and p.plan.reason != STALLED)
 
     def _publish(self, p: Published, boundary: PreparedStep | None) -> None:
+        if not self.resumed:
+            # The first plan this coordinator publishes starts from what the workers hold
+            # (nothing, on the job's first start; everything, after a replacement).
+            r = self.record
+            self.steps.resume({n.name: h for n in p.plan.nodes
+                               if (h := self.chan.hello_of(n.name)) is not None},
+                              r.step if r else 0, r.checkpoint_step if r else None,
+                              r.restores if r else 0)
+            self.resumed = True
         d = self.steps.publish(p.plan, p.alive, boundary=boundary)
         self.pending = None
         emit("plan", generation=p.plan.generation, reason=p.plan.reason,
              workers=p.plan.world_size, boundary=boundary is not None,
              start_step=d.start_step, restored_step=d.restore_step,
              experts_migrated=self.steps.reconfigs[-1].experts_migrated,
-             draining=sorted(d.draining))
+             roll_forward=d.roll_forward, draining=sorted(d.draining))
+
+    def _watch_workers(self) -> None:
+        """The workers the heartbeats and failure reports say are lost, and, for a
+        replacement coordinator, the plan's workers that never reconnected: the operator
+        re-plans without them."""
+        newest = self.plans.newest()
+        members = set(newest.plan_nodes) if newest is not None else set()
+        if self.steps.directive is not None:
+            members |= {n.name for n in self.steps.directive.plan.nodes}
+        # A lost worker is out of the plan by now, but stays watched: if it beats again it
+        # is back. One that stays silent long after Kubernetes must have noticed is dropped.
+        now = time.monotonic()
+        self.lost_since = {n: self.lost_since.get(n, now) for n in self.suspects}
+        members |= {n for n, since in self.lost_since.items() if now - since < FORGET_LOST_S}
+        suspects = self.steps.lost_workers(sorted(members))
+        # A predecessor's finding stands until the worker is heard from again.
+        suspects |= {n: why for n, why in self.state.inherited.items()
+                     if not self.steps.liveness.heard(n)}
+        if (self.record is not None and not self.resumed
+                and time.monotonic() - self.started > RECONNECT_WAIT_S):
+            suspects |= {n: f"did not reconnect within {RECONNECT_WAIT_S:.0f} s of a new "
+                            f"coordinator" for n in sorted(members)
+                         if not self.chan.said_hello(n)}
+        if suspects != self.suspects:
+            for n in sorted(suspects.keys() - self.suspects.keys()):
+                emit("lost", node=n, reason=suspects[n])
+            for n in sorted(self.suspects.keys() - suspects.keys()):
+                emit("back", node=n)
+            self.suspects = suspects
+            self.state.suspect(suspects)
 
 
 def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, "time": round(time.time(), 4), **fields}), flush=True)
+
+
+def _serve_store(port: int, patience_s: float = 30.0) -> dist.TCPStore:
+    """The workers' store on ``port``. A predecessor on the same host (host networking, the
+    local test kubelet) may still hold the port for a moment while it shuts down."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            # Its reads never wait for a key, but one (JobChannel.reports) can: this bounds it.
+            return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=30))
+        except (RuntimeError, OSError) as e:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("port %d is not free yet (%s); trying again", port, e)
+            time.sleep(0.2)
 
 
 def _kube_config() -> None:
@@ -246,18 +347,25 @@ def main() -> int:
     logging.basicConfig(level=env.log_level, format="%(asctime)s %(name)s %(message)s")
     _kube_config()
     core = client.CoreV1Api()
-    # Its reads never wait for a key, but one (JobChannel.reports) can: this bounds it.
-    store = dist.TCPStore("0.0.0.0", env.port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    state = StateReporter(core, env.namespace, env.state_configmap)
+    record = state.read()
+    store = _serve_store(env.port)
     coordinator = ClusterCoordinator(JobChannel(store, env.key, env.job),
                                      PlanFollower(core, env.namespace, env.plan_configmap).start(),
-                                     ProgressReporter(core, env.namespace, env.job).start(),
-                                     env.steps)
-    # Deleting the job deletes this pod: tell the workers to stop rather than time out.
-    signal.signal(signal.SIGTERM, lambda *_: coordinator.stopping.set())
-    emit("serving", port=env.port, job=env.job)
+                                     state.start(), env.steps, record)
+    terminated = threading.Event()
+
+    def on_sigterm(*_):
+        terminated.set()
+        coordinator.stopping.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    emit("serving", port=env.port, job=env.job,
+         resuming_from=record.step if record is not None else None)
     coordinator.run()
-    return 0
+    # Exit 0 says the job is done (the operator then replaces nothing); stopped from outside,
+    # the pod is being deleted or moved, and a successor takes over.
+    return 128 + signal.SIGTERM if terminated.is_set() else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,12 @@
 """The coordinator's side of the job channel, whatever runs the workers.
 
 A ``StepCoordinator`` turns plans into directives and drives the workers through them: it
-decides the handover from the layout the workers really hold (``lazarus_core.handover``:
-the transfers, or a checkpoint restore when some expert lost every replica), confirms
-adoption once every member fetched its state, and commits each step that every rank
-prepared. The
+decides the handover from what the workers really hold (``lazarus_core.handover``: the
+transfers, or a checkpoint restore when some expert lost every replica), confirms adoption
+once every member fetched its state, commits each step that every rank prepared, and
+judges from the workers' heartbeats and failure reports which of them are lost
+(``lazarus_core.liveness``). A replacement coordinator starts from what the workers say
+they hold (``resume``), so nothing of its predecessor's memory is needed. The
 local backend feeds it plans from the controller core it runs itself; on Kubernetes the
 coordinator pod feeds it the plans the operator publishes. Both record the same timings.
 
@@ -20,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lazarus_core.controller import Progress
-from lazarus_core.handover import plan_handover
+from lazarus_core.handover import Held, caught_up, held_under, plan_handover, resume_point
+from lazarus_core.liveness import BEAT_S, Liveness
 from lazarus_core.plan import Plan
 
-from .job_channel import Directive, JobChannel, StepReport
+from .job_channel import Directive, Hello, JobChannel, StepReport
 
 
 @dataclass
@@ -89,12 +92,24 @@ KEEP_GENERATIONS = 2
 
 class StepCoordinator:
     def __init__(self, chan: JobChannel, on_event: Callable[[str], None] = lambda line: None,
-                 keep_reconfigurations: int | None = None):
+                 liveness: Liveness | None = None, keep_reconfigurations: int | None = None):
         self.chan = chan
         self.on_event = on_event
         self.adopted: Plan | None = None
+        # What the live workers hold, per node, as of the step each applied last: the
+        # adopted plan's layout (with the incarnation of each member when it adopted it: a
+        # worker that came back on the same node holds nothing), or, after a resume, what
+        # each worker reported until the next adoption.
+        self.held: dict[str, Held] = {}
+        self.incarnations: dict[str, str] = {}
+        self.roll_forward: int | None = None
         self.directive: Directive | None = None
         self.committed = 0
+        self.liveness = liveness or Liveness()
+        self._looked_at = 0.0
+        self._lost: dict[str, str] = {}
+        self._failures_seen = 0
+        self._step_started = time.monotonic()
         # The furthest step ever prepared: a step at or below it is being redone.
         self.highest_step = 0
         # In publication order; a long-running coordinator keeps the last few (None: all).
@@ -123,7 +138,7 @@ class StepCoordinator:
         if self.adopted is None or self.adopted.generation != g:
             if self.chan.all_fetched(g, d.exchange_ranks()):
                 self.chan.adopt(g)
-                self.adopted = d.plan
+                self._adopted(d)
                 self._reconfig(g, lambda r: setattr(r, "adopted_at", time.monotonic()))
             return None
         step = self.committed + 1
@@ -141,8 +156,68 @@ class StepCoordinator:
         if last:
             self.chan.stop()
         self.chan.commit(step.generation, step.step, step.generation)
-        self.committed = step.step
+        self._committed(step.step)
         self._written(step)
+
+    def _committed(self, step: int) -> None:
+        now = time.monotonic()
+        if step == self.committed + 1:
+            self.liveness.step_took(now - self._step_started)
+        self._step_started = now
+        self.committed = step
+        self.held = {n: Held(h.experts, step) for n, h in self.held.items()}
+
+    def _adopted(self, d: Directive) -> None:
+        """Every member of ``d`` fetched its state: they now hold its plan's layout."""
+        self.adopted = d.plan
+        members = {n.name for n in d.plan.nodes}
+        self.held = held_under(d.plan, members, self.committed)
+        self.incarnations = {n: h.incarnation for n in members
+                             if (h := self.chan.hello_of(n)) is not None}
+        self.roll_forward = None
+
+    # --- a replacement coordinator -------------------------------------------------------
+
+    def resume(self, hellos: dict[str, Hello], committed_at_least: int,
+               checkpoint_step: int | None, restores: int) -> None:
+        """Start from what reconnecting workers hold, as a coordinator that replaced one
+        that died. ``committed_at_least`` and ``checkpoint_step`` come from the job's
+        durable record (which may lag a little: the workers' reports settle the step)."""
+        stateful = {n: h for n, h in hellos.items() if h.holdings is not None}
+        committed, roll = resume_point({n: (h.committed, h.prepared)
+                                        for n, h in stateful.items()})
+        self.committed = max(committed, committed_at_least)
+        self.roll_forward = roll if self.committed == committed else None
+        self.held = {n: Held(tuple(frozenset(layer) for layer in h.holdings),
+                             caught_up(h.committed, h.prepared, self.roll_forward))
+                     for n, h in stateful.items()}
+        self.incarnations = {n: h.incarnation for n, h in hellos.items()}
+        self.restores = restores
+        if checkpoint_step is not None:
+            self.chan.set_checkpoint(checkpoint_step)
+        self.on_event(f"resuming at step {self.committed} from what {len(stateful)} workers "
+                      f"hold" + (f"; those one step behind apply step {roll} first"
+                                 if self.roll_forward else ""))
+
+    # --- liveness ------------------------------------------------------------------------
+
+    def lost_workers(self, members: list[str]) -> dict[str, str]:
+        """Of ``members``, those the workers' heartbeats and failure reports say are lost,
+        each with the reason (read from the store at most every BEAT_S)."""
+        now = time.monotonic()
+        if now - self._looked_at < BEAT_S:
+            return {m: why for m, why in self._lost.items() if m in members}
+        self._looked_at = now
+        g = self.generation
+        failures = self.chan.failures(g, members) if g else 0
+        if failures > self._failures_seen:
+            self.liveness.peer_failed(now)
+        self._failures_seen = failures
+        for member, beat in self.chan.beats(members).items():
+            self.liveness.beat(member, beat, now)
+        self._lost = self.liveness.lost(members, now)
+        return self._lost
+
 
     # --- plans ---------------------------------------------------------------------------
 
@@ -155,13 +230,13 @@ class StepCoordinator:
         workers switch to ``plan`` right after it. Otherwise the switch is immediate and
         any step in flight is dropped and redone (its optimizer step was never applied)."""
         if boundary is not None:
-            self.committed = boundary.step
+            self._committed(boundary.step)
             self._written(boundary)
         elif self.directive is not None:  # the step in flight is dropped: its keys go too
             self._steps.append((self.generation, self.committed + 1,
                                 self.directive.plan.world_size))
-        handover = plan_handover(self.adopted, plan, alive, self.committed,
-                                 self.chan.checkpoint())
+        handover = plan_handover(self._held_by(alive), plan, self.committed,
+                                 self.chan.checkpoint(), self.roll_forward)
         directive = Directive.of(plan, handover)
         if handover.restore_step is not None:
             restored = handover.restore_step
@@ -170,6 +245,7 @@ class StepCoordinator:
                           + (f"restoring the checkpoint of step {restored}" if restored
                              else "no checkpoint yet, restarting from step 0"))
             self.committed = restored
+        self._failures_seen = 0  # the new generation's counter starts at zero
         now = time.monotonic()
         self.reconfigs.append(Reconfiguration(
             plan.generation, plan.reason, len(directive.exchange_ranks()),
@@ -199,6 +275,20 @@ class StepCoordinator:
                         loads=step.reports[0].loads, checkpoint_step=self.chan.checkpoint(),
                         experts_migrated=r.experts_migrated, restored_step=r.restored_step,
                         experts_lost=r.experts_lost, restores=self.restores)
+
+    def _held_by(self, alive: set[str]) -> dict[str, Held]:
+        """What the ``alive`` workers hold, less any that came back as a new process since
+        (same node, new incarnation: it holds nothing)."""
+        out = {}
+        for n, h in self.held.items():
+            if n not in alive:
+                continue
+            now = self.chan.hello_of(n)
+            if now is not None and n in self.incarnations \
+                    and now.incarnation != self.incarnations[n]:
+                continue
+            out[n] = h
+        return out
 
     def summaries(self) -> list[dict]:
         """The reconfigurations after the first plan, with the workers' own timings."""

@@ -4,21 +4,40 @@ Legend: T tokens, D model dim, E experts, K top-k, W ranks, X rows this rank com
 L experts held locally.
 
 The interface (as in torchtitan): ``dispatch(x_TD, weights_TK, experts_TK)`` returns the rows
-this rank must compute grouped by local expert, the number of rows per local expert, and a
-frozen metadata object; ``combine(y_XD, meta)`` brings expert outputs back to their tokens
-and applies the weighted top-k sum. ``LocalDispatcher`` (every expert on one rank) is the
-reference; ``ReplicaDispatcher`` implements Algorithm 1 over the replicas of a plan.
+this rank must compute grouped by local expert, how many rows each local expert gets
+(``ExpertRows``), and a frozen metadata object; ``combine(y_XD, meta)`` brings expert outputs
+back to their tokens and applies the weighted top-k sum. ``LocalDispatcher`` (every expert on
+one rank) is the reference; ``ReplicaDispatcher`` implements Algorithm 1 over the replicas of
+a plan.
+
+Host synchronisations: the local dispatcher makes none. The replica dispatcher makes one per
+call, the read of the all-gathered counts, because the all-to-all needs its split sizes on
+the host; everything else it needs on the device goes there without a wait (``to_device``),
+and its backward makes none. The indices it hands to the kernels are its own, in range by
+construction, so the kernels' range checks (a read each) are skipped.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .collectives import Collectives, all_to_all_autograd
 from .dispatch_counts import dispatch_counts
+from .experts import ExpertRows
+from .host_sync import to_device
 from .kernels import bucket_positions, permute, unpermute
+
+
+class Dispatcher(Protocol):
+    local_experts: tuple[int, ...]
+
+    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor
+                 ) -> tuple[torch.Tensor, ExpertRows, object]: ...
+
+    def combine(self, y_XD: torch.Tensor, meta) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -36,12 +55,12 @@ class LocalDispatcher:
         self.local_experts = tuple(range(num_experts))
 
     def dispatch(self, x_TD, weights_TK, experts_TK):
-        rows_TK, num_tokens_E = bucket_positions(experts_TK, self.num_experts)
-        meta = LocalMeta(rows_TK, weights_TK, num_tokens_E.cpu())
-        return permute(x_TD, rows_TK), num_tokens_E.tolist(), meta
+        rows_TK, num_tokens_E = bucket_positions(experts_TK, self.num_experts, check_range=False)
+        meta = LocalMeta(rows_TK, weights_TK, num_tokens_E)
+        return permute(x_TD, rows_TK, check_range=False), ExpertRows(num_tokens_E), meta
 
     def combine(self, y_XD, meta: LocalMeta):
-        return unpermute(y_XD, meta.rows_TK, meta.weights_TK)
+        return unpermute(y_XD, meta.rows_TK, meta.weights_TK, check_range=False)
 
 
 @dataclass(frozen=True)
@@ -76,10 +95,11 @@ class ReplicaDispatcher:
 
     def dispatch(self, x_TD, weights_TK, experts_TK):
         E, W, me, dev = self.num_experts, self.comm.world_size, self.comm.rank, x_TD.device
-        expert_rows_TK, num_local_E = bucket_positions(experts_TK, E)
+        expert_rows_TK, num_local_E = bucket_positions(experts_TK, E, check_range=False)
         tokens_WE = self.comm.all_gather(num_local_E)
-        # Every rank derives the same (expert, src, dst) counts from the gathered counts.
-        counts_EWW = dispatch_counts(tokens_WE.T.cpu().numpy(), self.replicas_EW)
+        # The one host synchronisation: every rank derives the same (expert, src, dst) counts
+        # from the gathered counts, and the all-to-all needs its splits on the host.
+        counts_EWW = dispatch_counts(tokens_WE.cpu().numpy().T, self.replicas_EW)
         send_EW = counts_EWW[:, me, :]
         recv_WE = counts_EWW[:, :, me].T
         send_splits = tuple(send_EW.sum(0).tolist())
@@ -89,25 +109,26 @@ class ReplicaDispatcher:
         # send_EW[e, 0] of expert e go to rank 0, the next send_EW[e, 1] to rank 1, ...
         # Flattened (expert, dst) buckets have exactly that layout, so a search over their
         # running totals finds every assignment's destination.
-        bucket_ends = torch.from_numpy(np.cumsum(send_EW.reshape(-1))).to(dev)
+        bucket_ends = to_device(np.cumsum(send_EW.reshape(-1)), dev)
         bucket_TK = torch.searchsorted(bucket_ends, expert_rows_TK, right=True)
         dst_TK = bucket_TK % W
         # The send buffer must be grouped by destination for all_to_all_single.
-        send_rows_TK, _ = bucket_positions(dst_TK * E + experts_TK, W * E)
-        x_recv = all_to_all_autograd(self.comm, permute(x_TD, send_rows_TK),
+        send_rows_TK, _ = bucket_positions(dst_TK * E + experts_TK, W * E, check_range=False)
+        x_recv = all_to_all_autograd(self.comm, permute(x_TD, send_rows_TK, check_range=False),
                                      recv_splits, send_splits)
 
         # Received rows arrive grouped by (src, expert); the experts want them by expert.
-        recv_local_X = torch.from_numpy(np.repeat(np.tile(self._local_index_E, W),
-                                                  recv_WE.reshape(-1))).to(dev)
+        recv_local_X = to_device(np.repeat(np.tile(self._local_index_E, W), recv_WE.reshape(-1)),
+                                 dev)
         group_rows_X1, num_rows_L = bucket_positions(recv_local_X.unsqueeze(1),
-                                                     len(self.local_experts))
+                                                     len(self.local_experts), check_range=False)
         meta = ReplicaMeta(send_rows_TK, weights_TK, send_splits, recv_splits, group_rows_X1,
-                           tokens_WE.sum(0).cpu())
-        return permute(x_recv, group_rows_X1), num_rows_L.tolist(), meta
+                           tokens_WE.sum(0))
+        rows = ExpertRows(num_rows_L, tuple(recv_WE.sum(0)[list(self.local_experts)].tolist()))
+        return permute(x_recv, group_rows_X1, check_range=False), rows, meta
 
     def combine(self, y_XD, meta: ReplicaMeta):
         ones_X1 = torch.ones(meta.group_rows_X1.shape, dtype=y_XD.dtype, device=y_XD.device)
-        y_recv = unpermute(y_XD, meta.group_rows_X1, ones_X1)
+        y_recv = unpermute(y_XD, meta.group_rows_X1, ones_X1, check_range=False)
         y_back = all_to_all_autograd(self.comm, y_recv, meta.send_splits, meta.recv_splits)
-        return unpermute(y_back, meta.send_rows_TK, meta.weights_TK)
+        return unpermute(y_back, meta.send_rows_TK, meta.weights_TK, check_range=False)

@@ -10,6 +10,14 @@ written the commit. The coordinator commits step s of generation g only when eve
 g prepared it, and never after it published a newer generation. So either every survivor
 applies step s or none does, and no optimizer step is ever applied twice or half-way.
 
+The coordinator can die too. Its store is then gone: every channel call raises
+``CoordinatorLost``, the workers keep what they hold in memory, reconnect to its
+replacement and say hello again with what they hold (``Hello``). The replacement decides
+from those reports alone, so it needs no memory of its predecessor's store. Apart from the
+training loop, each worker beats (``Beat``) from a thread of its own, and a survivor whose
+collective failed says so (``peer_failed``): that is how the coordinator finds a worker that
+vanished or hangs without waiting for Kubernetes (``lazarus_core.liveness``).
+
 Trust. A c10d store has no authentication: anyone who can reach its port can set, add to,
 and delete any key. The job's pods are meant to be the only ones who can (a NetworkPolicy
 per job), but the channel does not rely on it. Every value is signed: an HMAC-SHA256 under
@@ -19,16 +27,20 @@ A reader acts only on values that verify, and logs the rest (once per key and va
 someone who reaches the store without the key can:
 - write any key (a stop, a commit, a directive, a report, a hello): the value does not
   verify, is dropped and logged, and the key's owner, which checks its keys every
-  ``guard_s``, writes its own value back;
+  ``guard_s``, writes its own value back (meanwhile a reader goes on from the last value it
+  verified, as ``latest`` and hellos do, or waits);
 - copy a signed value to another key (step 7's commit as step 8's, one rank's report as
   another's): the signature covers the key's name, so it fails like a forgery;
 - write back an older signed value of the same key (``latest`` of a past generation, an
   older checkpoint step): readers of those keys only move forward, and the owner rewrites it;
 - delete a key: the owner writes it again at its next check;
-- bump a counter (prepared, fetched, checkpoint shards): counters only tell a reader when to
-  look; it acts on the signed records behind them, so a bumped counter costs a lookup;
-- still deny service: delete keys faster than their owners restore them, fill the store's
-  memory, or disturb the process groups' rendezvous keys, which c10d writes unsigned (and
+- bump a counter (prepared, fetched, checkpoint shards, peer failures): counters only tell
+  a reader when to look; it acts on the signed records behind them, so a bumped counter
+  costs a lookup;
+- still deny service: delete keys faster than their owners restore them, write a worker's
+  older heartbeat back until the worker looks silent (the coordinator then plans without
+  it, and takes it back when it is heard again), fill the store's memory, or disturb the
+  process groups' rendezvous keys, which c10d writes unsigned (and
   the collectives' own traffic is not authenticated either: PyTorch assumes a trusted
   network). Keeping strangers away from the store and the workers' ports is the
   NetworkPolicy's job; the signatures make sure that whoever gets through cannot steer the
@@ -51,6 +63,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
 from lazarus_core.handover import Handover
+from lazarus_core.liveness import Beat
 from lazarus_core.plan import Plan, Transfer
 from lazarus_core.process_env import check_job_key
 
@@ -73,6 +86,26 @@ class ChannelTimeout(RuntimeError):
     """The coordinator did not answer within the bound."""
 
 
+class CoordinatorLost(Exception):
+    """The coordinator's store stopped answering: it died, or its pod is being replaced.
+
+    Not a RuntimeError on purpose: the worker's handlers for failed collectives (which are
+    RuntimeErrors) must never mistake it for a peer's failure."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a worker holds when it (re)joins: a replacement coordinator decides from this."""
+    # A new one per process, so a worker that came back on the same node is told apart.
+    incarnation: str
+    committed: int = 0  # the last step it applied
+    # A step it computed whose commit it never saw (the coordinator died in between): it
+    # can apply it if its peers did.
+    prepared: int | None = None
+    # The experts it holds per layer; None: no state at all (a fresh process).
+    holdings: tuple[tuple[int, ...], ...] | None = None
+
+
 @dataclass(frozen=True)
 class Directive:
     """What the workers of one plan generation do before training on it."""
@@ -89,12 +122,16 @@ class Directive:
     # Plan nodes that hold no state yet, and the survivor that sends them the dense state.
     joiners: tuple[str, ...] = ()
     dense_source: str | None = None
+    # Set by a replacement coordinator when the one before it committed this step and died
+    # before every worker saw the commit: whoever still holds it prepared applies it first.
+    roll_forward: int | None = None
 
     @classmethod
     def of(cls, plan: Plan, handover: Handover) -> "Directive":
         return cls(plan, start_step=handover.start_step, transfers=handover.transfers,
                    draining=handover.draining, restore_step=handover.restore_step,
-                   joiners=handover.joiners, dense_source=handover.dense_source)
+                   joiners=handover.joiners, dense_source=handover.dense_source,
+                   roll_forward=handover.roll_forward)
 
     @property
     def generation(self) -> int:
@@ -116,6 +153,7 @@ class Directive:
             "restore_step": self.restore_step,
             "joiners": list(self.joiners),
             "dense_source": self.dense_source,
+            "roll_forward": self.roll_forward,
         })
 
     @classmethod
@@ -123,7 +161,8 @@ class Directive:
         return cls(plan=Plan.from_dict(d["plan"]), start_step=d["start_step"],
                    transfers=tuple(Transfer(**t) for t in d["transfers"]),
                    draining=tuple(d["draining"]), restore_step=d["restore_step"],
-                   joiners=tuple(d["joiners"]), dense_source=d["dense_source"])
+                   joiners=tuple(d["joiners"]), dense_source=d["dense_source"],
+                   roll_forward=d["roll_forward"])
 
 
 @dataclass(frozen=True)
@@ -144,11 +183,13 @@ class JobChannel:
     Secret and its pods' environment hold); ``job`` is the job's name, also signed."""
 
     def __init__(self, store: dist.Store, key: str, job: str, poll_s: float = 0.002,
-                 guard_s: float = 0.5):
+                 guard_s: float = 0.5, on_poll: Callable[[], None] = lambda: None):
         check_job_key(key)
         self.store = store
         self.poll_s = poll_s
         self.guard_s = guard_s
+        # Called at every turn of a wait: the worker's training loop is alive while it waits.
+        self.on_poll = on_poll
         self._key = key.encode()
         self._job = job.encode()
         self._absent = b"\0absent:" + secrets.token_hex(16).encode()
@@ -160,9 +201,18 @@ class JobChannel:
         self.rejected = 0  # values dropped because they did not verify
         self._latest = 0
         self._checkpoint: int | None = None
+        self._hellos: dict[str, Hello] = {}  # node -> its newest signed hello, one per node
         self._stopped = False
 
     # --- signed keys -----------------------------------------------------------------------
+    # Every store access goes through ``_call``, so a dead coordinator surfaces as one
+    # exception, whatever the call.
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+            raise CoordinatorLost(f"the coordinator's store stopped answering ({e})") from e
 
     def _mac(self, name: str, payload: bytes) -> bytes:
         message = b"\0".join((_CONTEXT, self._job, name.encode(), payload))
@@ -171,7 +221,7 @@ class JobChannel:
     def _set(self, name: str, value: str, own: bool = True, forward: int | None = None) -> None:
         payload = value.encode()
         signed = self._mac(name, payload) + payload
-        self.store.set(_PREFIX + name, signed)
+        self._call(self.store.set, _PREFIX + name, signed)
         if own:
             self._owned[name] = (signed, forward)
 
@@ -179,7 +229,8 @@ class JobChannel:
         """The stored bytes, or None if absent, in one round trip that never waits: a
         compare-and-set whose expected and new values are this channel's secret sentinel
         changes nothing and answers the stored value, or the sentinel if there is none."""
-        value = self.store.compare_set(_PREFIX + name, self._absent, self._absent)
+        value = self._call(self.store.compare_set, _PREFIX + name, self._absent,
+                           self._absent)
         return None if value == self._absent else value
 
     def _get(self, name: str) -> str | None:
@@ -218,13 +269,13 @@ class JobChannel:
 
     def _hint(self, name: str, amount: int) -> int:
         """A counter: when to look, never what to believe."""
-        return self.store.add(_PREFIX + name, amount)
+        return self._call(self.store.add, _PREFIX + name, amount)
 
     def _forget(self, names: Iterable[str]) -> None:
         """Delete keys this side no longer needs (and stop keeping them alive)."""
         for name in names:
             self._owned.pop(name, None)
-            self.store.delete_key(_PREFIX + name)
+            self._call(self.store.delete_key, _PREFIX + name)
 
     def _disown(self, prefix: str) -> None:
         for name in [n for n in self._owned if n.startswith(prefix)]:
@@ -258,7 +309,7 @@ class JobChannel:
                     continue
             log.warning("%s%s was %s; writing it back", _PREFIX, name,
                         "deleted" if current is None else "overwritten")
-            self.store.set(_PREFIX + name, signed)
+            self._call(self.store.set, _PREFIX + name, signed)
             rewritten += 1
         return rewritten
 
@@ -372,6 +423,7 @@ class JobChannel:
         generation was published without committing it (the step is abandoned)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            self.on_poll()
             if (committed := self.committed(generation, step)) is not None:
                 return self._settled(committed)
             if self.latest() > generation:
@@ -413,13 +465,61 @@ class JobChannel:
         self._disown("fetched/")  # adopted or superseded: read, or no longer wanted
         return ok or self._get(key) == "1"
 
-    # --- membership and checkpoints --------------------------------------------------------
+    # --- membership, liveness and checkpoints ---------------------------------------------
 
-    def hello(self, node: str) -> None:
-        self._set(f"hello/{node}", "1")
+    def hello(self, node: str, hello: Hello) -> None:
+        self._set(f"hello/{node}", json.dumps(asdict(hello)))
 
     def said_hello(self, node: str) -> bool:
-        return self._get(f"hello/{node}") == "1"
+        return self.hello_of(node) is not None
+
+    def hello_of(self, node: str) -> Hello | None:
+        """The newest signed hello of ``node`` this side has read. A hello is never taken
+        back (a worker that restarts says a new one), so one that was overwritten or deleted
+        since still stands: its owner writes it back, and meanwhile the worker must not look
+        gone."""
+        d = self._json(f"hello/{node}")
+        if d is None:
+            return self._hellos.get(node)
+        try:
+            holdings, prepared = d["holdings"], d["prepared"]
+            hello = Hello(str(d["incarnation"]), int(d["committed"]),
+                          int(prepared) if prepared is not None else None,
+                          tuple(tuple(int(e) for e in layer) for layer in holdings)
+                          if holdings is not None else None)
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("dropped an unreadable hello of %s: %s", node, e)
+            return self._hellos.get(node)
+        self._hellos[node] = hello
+        return hello
+
+    def beat(self, node: str, beat: Beat) -> None:
+        # Not kept alive by a guard: the next beat writes it again anyway.
+        self._set(f"beat/{node}", json.dumps(asdict(beat)), own=False)
+
+    def beats(self, nodes: list[str]) -> dict[str, Beat]:
+        """The latest signed heartbeat of each of ``nodes`` that has one."""
+        out = {}
+        for node in nodes:
+            d = self._json(f"beat/{node}")
+            try:
+                if d is not None:
+                    out[node] = Beat(int(d["count"]), float(d["busy_s"]), bool(d["in_step"]))
+            except (KeyError, TypeError, ValueError) as e:
+                log.error("dropped an unreadable heartbeat of %s: %s", node, e)
+        return out
+
+    def peer_failed(self, generation: int, node: str) -> None:
+        """``node`` saw a collective of ``generation`` fail because a peer went away."""
+        self._set(f"failed/{generation}/{node}", "1", own=False)
+        self._hint(f"failed/{generation}", 1)
+
+    def failures(self, generation: int, members: Iterable[str]) -> int:
+        """How many of ``members`` said, signed, that a collective of ``generation`` failed
+        (the counter only says whether to look)."""
+        if self._hint(f"failed/{generation}", 0) == 0:
+            return 0
+        return sum(self._get(f"failed/{generation}/{m}") == "1" for m in members)
 
     def report_timings(self, generation: int, rank: int, timings: dict[str, float]) -> None:
         self._disown("timings/")
@@ -468,20 +568,23 @@ class JobChannel:
     def prune_generation(self, generation: int, members: Iterable[str], ranks: int) -> None:
         """Delete the keys of a generation two or more behind the newest: its directive,
         adoption and timings, and its process groups' rendezvous keys."""
-        names = [f"directive/{generation}", f"adopted/{generation}", f"fetched/{generation}"]
-        names += [f"fetched/{generation}/{m}" for m in members]
+        members = list(members)
+        names = [f"directive/{generation}", f"adopted/{generation}", f"fetched/{generation}",
+                 f"failed/{generation}"]
+        names += [f"{kind}/{generation}/{m}" for kind in ("fetched", "failed") for m in members]
         names += [f"timings/{generation}/{r}" for r in range(ranks)]
         self._forget(names)
         groups = (f"{_PREFIX}gen{generation}/", f"{_PREFIX}gen{generation}-exchange/")
-        for key in self.store.list_keys():
+        for key in self._call(self.store.list_keys):
             if key.startswith(groups):
-                self.store.delete_key(key)
+                self._call(self.store.delete_key, key)
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float, what: str,
                    interrupted: Callable[[], bool] = lambda: False) -> bool:
         """Poll ``ready``; False if ``interrupted`` first; ChannelTimeout past the bound."""
         deadline = time.monotonic() + timeout_s
         while not ready():
+            self.on_poll()
             if interrupted():
                 return False
             if time.monotonic() > deadline:

@@ -32,7 +32,7 @@ from lazarus_core.topology import NodeSpec
 from .coordination import PreparedStep, StepCoordinator
 from .data import StepBatches
 from .job_channel import JobChannel
-from .local_faults import Fault, FaultSchedule
+from .local_faults import Fault, FaultSchedule, Strike
 
 # Deaths within this window after the first are handled as one failure (one SIGKILL of
 # two workers reaches the parent as two exits a few milliseconds apart).
@@ -121,6 +121,9 @@ class LocalJob:
         self.state = core.new_job(self.spec, core.Settings(start_grace_s=0.0))
         self.failures = 0
         self.fault_at: float | None = None
+        # Frozen workers and when to thaw them; workers the heartbeats say are lost.
+        self.thaw_at: dict[str, float] = {}
+        self.suspects: dict[str, str] = {}
         # When the coordinator last looked at its workers: a death is "detected" then.
         self.detected_at = time.monotonic()
         self.training_from = time.monotonic()
@@ -150,13 +153,28 @@ class LocalJob:
         return [self._node(n) for n in sorted(running)
                 if n in self.admitted and self.chan.said_hello(n)]
 
-    def _kill(self, names: list[str], when: str = "as step {} began") -> None:
-        for n in names:
-            self.procs[n].send_signal(signal.SIGKILL)
-        self.fault_at = time.monotonic()
-        self.failures += len(names)
-        self.on_event(f"killed {', '.join(names)} (SIGKILL) "
-                      + when.format(self.steps_done.committed + 1))
+    def _strike(self, strikes: list[Strike], when: str = "as step {} began") -> None:
+        for fault, names in strikes:
+            if not names:
+                continue
+            freeze = fault.freeze_s is not None
+            for n in names:
+                self.procs[n].send_signal(signal.SIGSTOP if freeze else signal.SIGKILL)
+                if freeze:
+                    self.thaw_at[n] = time.monotonic() + fault.freeze_s
+            self.fault_at = time.monotonic()
+            self.failures += len(names)
+            what = f"froze {', '.join(names)} (SIGSTOP) for {fault.freeze_s:g} s" if freeze \
+                else f"killed {', '.join(names)} (SIGKILL)"
+            self.on_event(f"{what} " + when.format(self.steps_done.committed + 1))
+
+    def _thaw(self) -> None:
+        now = time.monotonic()
+        for n, at in list(self.thaw_at.items()):
+            if now >= at:
+                self.procs[n].send_signal(signal.SIGCONT)
+                del self.thaw_at[n]
+                self.on_event(f"thawed {n} (SIGCONT)")
 
     def _on_deaths(self) -> None:
         """Workers died: the controller re-plans around them (see restart_baseline)."""
@@ -199,9 +217,10 @@ class LocalJob:
                     break
                 self._tick()
                 if self.steps_done.directive is not None:
-                    self._kill_all([self.faults.on_clock(time.monotonic(),
-                                                         self._plan_workers_alive)],
-                                   when="during step {}")
+                    self._strike(self.faults.on_clock(time.monotonic(),
+                                                      self._plan_workers_alive),
+                                 when="during step {}")
+                self._thaw()
                 time.sleep(_POLL_S)
             wall = time.monotonic() - start
             training = time.monotonic() - self.training_from
@@ -239,7 +258,16 @@ class LocalJob:
             self._on_deaths()
             running = self._running()
         self.detected_at = time.monotonic()
-        return core.observe(self.state, self._live(running), ())
+        live = self._live(running)
+        # Alive as processes, but lost by their heartbeats (frozen, hung) or taken back.
+        suspects = self.steps_done.lost_workers([n.name for n in live])
+        for n in sorted(suspects.keys() - self.suspects.keys()):
+            self.on_event(f"{n} is lost: {suspects[n]}")
+        for n in sorted(self.suspects.keys() - suspects.keys()):
+            if n in running:
+                self.on_event(f"{n} is back")
+        self.suspects = suspects
+        return core.observe(self.state, [n for n in live if n.name not in suspects], ())
 
     def _complete(self, prepared: PreparedStep) -> None:
         """Every rank prepared the step: let the controller see it, then commit it."""
@@ -260,7 +288,7 @@ class LocalJob:
             self._apply(out)
             self.steps_done.commit(prepared)
         self.on_progress(self._status(reports[0].loss))
-        self._kill_all(self.faults.as_step_begins(step + 1, self._plan_workers_alive))
+        self._strike(self.faults.as_step_begins(step + 1, self._plan_workers_alive))
 
     def _scheduled_changes(self, step: int) -> list:
         """Joins due before ``step + 1`` starts: admit their workers and raise the target."""
@@ -274,11 +302,6 @@ class LocalJob:
                                         max_nodes=max(self.spec.max_nodes,
                                                       self.spec.replicas + count))
         return [core.SpecChanged(self.spec)]
-
-    def _kill_all(self, kills: list[list[str]], when: str = "as step {} began") -> None:
-        for names in kills:
-            if names:
-                self._kill(names, when)
 
     def _plan_workers_alive(self) -> list[str]:
         plan = self.steps_done.directive.plan
@@ -307,7 +330,7 @@ class LocalJob:
         directive = self.steps_done.publish(decision.plan, self._running(), boundary=boundary,
                                             fault_at=self.fault_at, detected_at=self.detected_at)
         self.fault_at = None
-        self._kill_all(self.faults.after_publish(directive.start_step, self._plan_workers_alive))
+        self._strike(self.faults.after_publish(directive.start_step, self._plan_workers_alive))
 
     # --- reporting -----------------------------------------------------------------------
 
@@ -334,6 +357,8 @@ class LocalJob:
             tokens_per_second=round(recorded * self.tokens_per_step / wall, 1))
 
     def _shutdown(self) -> None:
+        for n in self.thaw_at:  # a frozen process could not see the stop
+            self.procs[n].send_signal(signal.SIGCONT)
         if self.chan is not None:
             self.chan.stop()
         deadline = time.monotonic() + 20

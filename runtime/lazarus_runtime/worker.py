@@ -7,15 +7,25 @@ For each generation the worker joins a process group scoped to it, brings its st
 the plan (checkpoint restore, expert transfers, or a fresh start), then runs steps. A step
 that a failure interrupts is dropped before it changed anything and redone in the next
 generation with the same global batch. A new generation interrupts any wait, collectives
-included, so a dead or frozen peer never hangs a survivor.
+included, so a dead or frozen peer never hangs a survivor; a survivor whose collective
+failed because a peer went away says so, and a thread beats for the worker meanwhile
+(``heartbeat``), so the coordinator finds the lost peer in about a second.
+
+If the coordinator itself dies, the worker keeps everything it holds in memory, reconnects
+to the coordinator's Service with backoff until a replacement answers (up to a bound), and
+says hello again with what it holds: the replacement carries on from there.
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import signal
+import socket
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +39,9 @@ from .collectives import (Collectives, CollectiveInterrupted, CollectiveTimeout,
                           failure_reason)
 from .data import StepBatches
 from .engine import Engine
-from .job_channel import ChannelTimeout, Directive, JobChannel, StepReport
+from .heartbeat import Heartbeat
+from .job_channel import (ChannelTimeout, CoordinatorLost, Directive, Hello, JobChannel,
+                          StepReport)
 from .process_group import join_generation, leave_generation
 from .state_exchange import exchange
 
@@ -63,14 +75,17 @@ class WorkerSettings:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     device: str = "cpu"
+    # How long to keep trying to reach a replacement coordinator before giving up.
+    reconnect_s: float = 120.0
 
 
 class Worker:
-    def __init__(self, chan: JobChannel, node: str, cfg: RuntimeConfig,
-                 settings: WorkerSettings):
-        self.chan = chan
-        store = chan.store
-        self.store = store
+    def __init__(self, connect: Callable[[float], dist.Store], key: str, job: str, node: str,
+                 cfg: RuntimeConfig, settings: WorkerSettings):
+        """``connect(timeout_s)``: a new client of the coordinator's store, or an error when
+        none answers within ``timeout_s``; ``key`` and ``job`` sign every message on it."""
+        self._connect = connect
+        self._signing = (key, job)
         self.node = node
         self.cfg = cfg
         self.settings = settings
@@ -78,11 +93,31 @@ class Worker:
         self.engine: Engine | None = None
         self.comm: Collectives | None = None
         self.committed = 0  # last step applied
+        # A step computed whose commit never came because the coordinator died meanwhile.
+        self.prepared: int | None = None
+        self.incarnation = uuid.uuid4().hex
+        self.heartbeat = Heartbeat(lambda: JobChannel(connect(5.0), key, job), node)
+        self._reconnect()  # the coordinator may still be starting
 
     # --- the loop of generations ---------------------------------------------------------
 
     def run(self) -> int:
-        self.chan.hello(self.node)
+        self.heartbeat.start()
+        try:
+            while True:
+                try:
+                    return self._serve()
+                except CoordinatorLost as e:
+                    log.warning("%s: %s; reconnecting", self.node, e)
+                    self._leave(failed=True)
+                    self._reconnect()
+                    log.warning("%s: reconnected to the coordinator", self.node)
+        finally:
+            self.heartbeat.stop()
+
+    def _serve(self) -> int:
+        """Say hello, then follow the coordinator's generations until it stops the job."""
+        self._hello()
         seen = 0
         while True:
             generation = self._next_generation(seen)
@@ -93,10 +128,12 @@ class Worker:
             if directive is None:
                 continue  # superseded before it could be read: take the newer one
             if self.node not in directive.exchange_ranks():
-                if self.engine is not None:
-                    log.info("%s: not in generation %d, leaving", self.node, generation)
-                    return 0
-                continue  # not placed yet: a later generation may take us
+                # Left out (lost, then back; or not placed yet): tell the coordinator what
+                # we hold and wait; the controller takes us back, or releases us.
+                log.info("%s: not in generation %d; waiting to be taken back", self.node,
+                         generation)
+                self._hello()
+                continue
             try:
                 self._adopt(directive)
             except GenerationEnded as e:
@@ -117,6 +154,43 @@ class Worker:
             if self.chan.stopped():
                 self._leave(failed=False)
                 return 0
+
+    def _hello(self) -> None:
+        holdings = None
+        if self.engine is not None:
+            per_layer = [[] for _ in range(self.cfg.model.layers)]
+            for layer, expert in self.engine.held_experts():
+                per_layer[layer].append(expert)
+            holdings = tuple(tuple(sorted(es)) for es in per_layer)
+        self.chan.hello(self.node, Hello(self.incarnation, self.committed, self.prepared,
+                                         holdings))
+
+    def _reconnect(self) -> None:
+        """Reach the coordinator (at start, or its replacement), with backoff, within
+        ``reconnect_s``."""
+        deadline = time.monotonic() + self.settings.reconnect_s
+        delay = 0.1
+        while True:
+            try:
+                self.store = self._connect(2.0)
+                self.chan = JobChannel(self.store, *self._signing, on_poll=self.heartbeat.tick)
+                return
+            except (RuntimeError, OSError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise CoordinatorLost(f"no coordinator answered within "
+                                          f"{self.settings.reconnect_s:.0f} s ({e})") from e
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    def _superseded(self, generation: int) -> bool:
+        """The interrupt hook of every wait: the loop is alive, and is it still current?"""
+        self.heartbeat.tick()
+        return self.chan.latest() > generation
+
+    def _peer_failed(self, g: int, e: BaseException) -> None:
+        """Tell the coordinator a collective failed for a reason other than a newer plan."""
+        if not isinstance(e, CollectiveInterrupted):
+            self.chan.peer_failed(g, self.node)
 
     def _log_ended(self, e: GenerationEnded) -> None:
         # A generation ending is routine (a peer died, a newer plan came): one line in our
@@ -147,6 +221,15 @@ class Worker:
         in_plan = self.node in {n.name for n in d.plan.nodes}
         rank = ranks[self.node]
         timings = {"rebuild_s": 0.0, "migrate_s": 0.0}
+        self.heartbeat.in_step(False)
+        if (d.roll_forward is not None and self.engine is not None
+                and self.prepared == d.roll_forward == self.committed + 1):
+            # Our peers applied this step before the coordinator died: catch up.
+            self.engine.apply()
+            self.committed = d.roll_forward
+        self.prepared = None
+        if self.node in d.joiners:
+            self.engine = None  # what we hold is behind: take everything from the survivors
         self._leave(failed=False)
         # The draining nodes of a spot notice only send: they join an exchange group that
         # the training group (the plan alone) then replaces.
@@ -163,6 +246,7 @@ class Worker:
                                           d.transfers, d.joiners, d.dense_source,
                                           stepped=d.start_step > 1)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
+                self._peer_failed(g, e)
                 raise GenerationEnded.by(f"expert transfers of generation {g}", e) from e
         self.chan.fetched(g, self.node)
         if not self.chan.wait_adopted(g, self.settings.plan_timeout_s):
@@ -200,7 +284,7 @@ class Worker:
         try:
             self.comm = join_generation(self.store, scope, rank, world_size,
                                         timeout_s=self.settings.collective_timeout_s,
-                                        interrupted=lambda: self.chan.latest() > g)
+                                        interrupted=lambda: self._superseded(g))
         except (RuntimeError, TimeoutError) as e:
             raise GenerationEnded.by(f"joining generation {g}", e) from e
         timings["rebuild_s"] += time.perf_counter() - start
@@ -231,17 +315,22 @@ class Worker:
         rank = d.plan.nodes[d.plan.node_index(self.node)].ranks[0]
         step = d.start_step
         while True:
+            self.heartbeat.in_step(True)
             try:
                 result = self.engine.prepare(step)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
+                self._peer_failed(g, e)
                 raise GenerationEnded.by(f"generation {g} ended during step {step}", e) from e
+            self.prepared = step
             loads = self.engine.step_loads().tolist() if rank == 0 else None
             self.chan.prepare(g, step, rank, StepReport(result.loss, result.sample_ids, loads))
             next_generation = self.chan.wait_commit(g, step, self.settings.plan_timeout_s)
             if next_generation is None:
+                self.prepared = None
                 raise GenerationEnded(f"step {step} was abandoned for a newer generation")
             self.engine.apply()
-            self.committed = step
+            self.committed, self.prepared = step, None
+            self.heartbeat.in_step(False)
             self._maybe_checkpoint(d, rank, step)
             if next_generation > g or self.chan.stopped():
                 return
@@ -268,7 +357,7 @@ class Worker:
 
         if self.chan.wait_until(written, self.settings.collective_timeout_s,
                                 f"checkpoint of step {step}",
-                                interrupted=lambda: self.chan.latest() > d.generation):
+                                interrupted=lambda: self._superseded(d.generation)):
             checkpoint.write_manifest(self.settings.checkpoint_dir, step, shards[0])
             self.chan.set_checkpoint(step)
 
@@ -284,15 +373,31 @@ def main() -> int:
         return 2
     logging.basicConfig(level=env.log_level, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(env.threads)
+    # As a container's first process it would otherwise ignore SIGTERM, and a deleted pod
+    # would wait out its whole grace period: leave at once (nothing here needs saving).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     settings = WorkerSettings(
         checkpoint_dir=Path(env.checkpoint_path) if env.checkpoint_path else None,
         checkpoint_every=env.checkpoint_every_steps,
         collective_timeout_s=env.collective_timeout_s,
+        reconnect_s=env.reconnect_s,
     )
     host, port = env.coordinator_address
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    return Worker(JobChannel(store, env.key, env.job), env.node, cfg, settings).run()
 
+    def connect(timeout_s: float) -> dist.Store:
+        # A plain connection first: while no coordinator listens it fails at once, quietly
+        # (c10d logs a stack trace for every refused attempt). The store's own timeout then
+        # bounds each later call too: a coordinator that stops answering is noticed in it.
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+
+    try:
+        worker = Worker(connect, env.key, env.job, env.node, cfg, settings)
+    except CoordinatorLost as e:
+        print(f"lazarus worker: error: no coordinator at {env.coordinator}: {e}", file=sys.stderr)
+        return 1
+    return worker.run()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -93,6 +93,8 @@ def test_rendered_chart_is_least_privilege_and_secure():
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
     # Secrets: the job's key is created, never read back.
     assert {v for r, v in grants["lz-operator"] if r == "secrets"} == {"create"}
+    # The coordinator's disruption budget is created, nothing more.
+    assert {v for r, v in grants["lz-operator"] if r == "poddisruptionbudgets"} == {"get", "create"}
     # What has no namespace is only read.
     assert {v for _, v in grants["lz-operator-cluster"]} <= {"get", "list", "watch", "patch"}
     assert {r for r, v in grants["lz-operator-cluster"] if v == "patch"} == {"clusterkopfpeerings"}

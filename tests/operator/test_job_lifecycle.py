@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobkit import kubectl, make_job, settle
-from lazarus_core.cluster_contract import PROGRESS_ANNOTATION, progress_json
+from lazarus_core.cluster_contract import state_configmap_data, state_configmap_name
 from lazarus_core.controller import Progress
 from testcluster import faults
 from testcluster.waits import wait_until
@@ -111,16 +111,13 @@ def test_two_nodes_lost_at_once(cluster, operator, jobs, scratch_nodes, outcome)
     assert not set(pair) & set(jobs.plan_nodes("pair"))
     # No coordinator runs in this tier; the operator forecasts nothing: the restore is
     # reported only once the coordinator says it happened, in its progress report (written
-    # here as the coordinator would, on the pod of the new plan's rank 0).
+    # here as the coordinator would, into the job's state ConfigMap).
     assert jobs.condition("pair", "CheckpointRestored").get("status") != "True"
     restored = 5 if outcome == "unrecoverable" else None
     report = Progress(step=6, generation=new["generation"], checkpoint_step=5,
                       restored_step=restored, experts_lost=1 if restored else 0,
                       experts_migrated=0 if restored else 3, restores=1 if restored else 0)
-    rank0 = next(p.metadata.name for p in jobs.workers("pair")
-                 if p.spec.node_name == new["nodes"][0]["name"])
-    cluster.core.patch_namespaced_pod(rank0, jobs.namespace, {"metadata": {"annotations": {
-        PROGRESS_ANNOTATION: progress_json(report)}}})
+    report_progress(jobs, "pair", report)
     wait_until(lambda: jobs.status("pair").get("step") == 6, timeout=10,
                what="the progress report to reach the status")
     if outcome == "recoverable":
@@ -211,10 +208,10 @@ def test_deleting_the_job_leaves_no_orphans(cluster, operator, jobs, scratch_nod
                timeout=30, what="the job's pods, plan ConfigMap and Service to be garbage-collected")
 
 
-def report_progress(jobs, pod_name, **progress):
-    """What rank 0 does at the end of a step: annotate its own pod."""
-    jobs.core.patch_namespaced_pod(pod_name, jobs.namespace, {"metadata": {"annotations": {
-        "lazarus.dev/progress": json.dumps(progress)}}})
+def report_progress(jobs, job: str, progress: Progress) -> None:
+    """What the job's coordinator does after a step: write it into the job's state."""
+    jobs.core.patch_namespaced_config_map(state_configmap_name(job), jobs.namespace,
+                                          {"data": state_configmap_data(progress, {})})
 
 
 def test_progress_reports_drive_the_step_and_rebalancing(cluster, operator, jobs, scratch_nodes):
@@ -222,13 +219,13 @@ def test_progress_reports_drive_the_step_and_rebalancing(cluster, operator, jobs
     started(jobs, scratch_nodes, "steps", nodes=2, zones=1, maxNodes=2, replicas=2,
             slotsPerGpu=8, rebalanceEverySteps=10, rebalanceMinGainPercent=10)
     wait_until(lambda: len(jobs.plan_nodes("steps")) == 2, timeout=20, what="2 nodes in the plan")
-    rank0 = jobs.workers("steps")[0].metadata.name
-    report_progress(jobs, rank0, step=5, generation=1, checkpointStep=5,
-                    loads=[[10, 10, 10, 10], [10, 10, 10, 10]])
+    report_progress(jobs, "steps", Progress(step=5, generation=1, checkpoint_step=5,
+                                            loads=((10, 10, 10, 10), (10, 10, 10, 10))))
     wait_until(lambda: jobs.status("steps").get("step") == 5, timeout=10, what="status.step = 5")
     assert jobs.status("steps")["checkpointStep"] == 5 and jobs.generation("steps") == 1
     # Skewed loads at the rebalance interval: replicas follow the load at the step boundary.
-    report_progress(jobs, rank0, step=10, generation=1, loads=[[70, 10, 10, 10], [10, 10, 10, 70]])
+    report_progress(jobs, "steps", Progress(step=10, generation=1,
+                                            loads=((70, 10, 10, 10), (10, 10, 10, 70))))
     plan = jobs.wait_generation("steps", 2)
     assert plan["reason"] == "Rebalance"
     assert plan["layers"][0]["replicas"][0] > plan["layers"][0]["replicas"][1]

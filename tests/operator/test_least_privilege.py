@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cluster
 CHART = "helm/lazarus"
 
 
-def test_a_coordinator_reaches_its_own_jobs_plan_and_nothing_else(cluster, operator, jobs,
+def test_a_coordinator_reaches_its_own_jobs_plan_and_state_and_nothing_else(cluster, operator, jobs,
                                                                    namespace, scratch_nodes):
     scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
     for job in ("a", "b"):
@@ -35,6 +35,14 @@ def test_a_coordinator_reaches_its_own_jobs_plan_and_nothing_else(cluster, opera
     assert status_of(lambda: as_a.patch_namespaced_config_map(
         "b-plan", namespace, {"data": {"plan.json": "{}"}})) == 403
     assert status_of(lambda: as_a.list_namespaced_config_map(namespace)) == 403
+    # Its own job's state: read and written (progress, lost workers); another job's: not.
+    assert status_of(lambda: as_a.read_namespaced_config_map("a-state", namespace)) == 200
+    assert status_of(lambda: as_a.patch_namespaced_config_map(
+        "a-state", namespace, {"data": {}})) == 200
+    for verb in (lambda: as_a.read_namespaced_config_map("b-state", namespace),
+                 lambda: as_a.patch_namespaced_config_map("b-state", namespace, {"data": {}}),
+                 lambda: as_a.delete_namespaced_config_map("b-state", namespace)):
+        assert status_of(verb) == 403
     # Nor its own plan written, nor any Secret read (its own job's key included).
     assert status_of(lambda: as_a.patch_namespaced_config_map(
         "a-plan", namespace, {"data": {"plan.json": "{}"}})) == 403
@@ -43,6 +51,10 @@ def test_a_coordinator_reaches_its_own_jobs_plan_and_nothing_else(cluster, opera
     assert status_of(lambda: as_a.list_namespaced_secret(namespace)) == 403
     assert status_of(lambda: as_a.create_namespaced_pod(namespace, {
         "metadata": {"name": "x"}, "spec": {"containers": [{"name": "c", "image": "x"}]}})) == 403
+    # No pod rights at all: its progress goes to the state ConfigMap.
+    worker = jobs.workers("b")[0].metadata.name
+    assert status_of(lambda: as_a.patch_namespaced_pod(worker, namespace, {
+        "metadata": {"annotations": {"x": "y"}}})) == 403
 
 
 def test_workers_mount_no_token_and_their_account_cannot_patch_a_pod(cluster, operator, jobs,

@@ -98,3 +98,21 @@ def test_a_dead_peer_is_reported_in_our_words_not_the_backends():
     rank0, _ = run_gloo(dies_or_reports, world_size=2, timeout_s=20, allow_dead={1})
     assert rank0["reason"] == "a peer went away (its process died or left the group)"
     assert rank0["raw"] != rank0["reason"]
+
+
+
+def late_peer(rank: int, comm: Collectives) -> dict:
+    if rank == 1:
+        time.sleep(0.5)  # ten wait slices late: a joiner still building its model, say
+    out = comm.all_to_all(torch.arange(4.0) + 10 * rank, [2, 2], [2, 2])
+    return {"got": out.tolist()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_peer_a_moment_late_to_a_transfer_still_gets_it():
+    # State moves between workers in one all-to-all (state_exchange): its waits are sliced
+    # like every collective's, and a peer many slices late must not break it.
+    rank0, rank1 = run_gloo(late_peer, world_size=2, timeout_s=30)
+    assert rank0["got"] == [0.0, 1.0, 10.0, 11.0]
+    assert rank1["got"] == [2.0, 3.0, 12.0, 13.0]

@@ -15,7 +15,7 @@ from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
 
 from lazarus_runtime.coordination import KEEP_GENERATIONS, StepCoordinator
-from lazarus_runtime.job_channel import Directive, JobChannel, StepReport
+from lazarus_runtime.job_channel import Directive, Hello, JobChannel, StepReport
 
 NODES = [NodeSpec(f"n{i}", 1, 4, zone="z0") for i in range(4)]
 
@@ -77,6 +77,19 @@ def test_unsigned_values_are_dropped_and_counted(store, attacker):
     # A reader polls: the same forgery is counted each time, but logged once.
     worker.stopped()
     assert worker.rejected == 5
+
+
+def test_a_worker_whose_hello_is_forged_or_deleted_does_not_look_gone(store, attacker):
+    coord, worker = channels(store)
+    worker.hello("n0", Hello("incarnation-1", committed=3))
+    assert coord.hello_of("n0").committed == 3
+    attacker.set("lazarus/hello/n0", "0" * 64 + '{"incarnation": "x", "committed": 999}')
+    assert coord.hello_of("n0") == Hello("incarnation-1", committed=3)
+    attacker.delete_key("lazarus/hello/n0")
+    assert coord.said_hello("n0")
+    assert worker.guard() == 1  # and its owner writes it back
+    worker.hello("n0", Hello("incarnation-2"))  # a restarted worker is seen as one
+    assert coord.hello_of("n0").incarnation == "incarnation-2"
 
 
 def test_a_signed_value_is_good_only_under_its_own_key_and_job(store, attacker):

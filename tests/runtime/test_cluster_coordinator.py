@@ -17,7 +17,7 @@ from lazarus_core.solver import plan_job, replan  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
 
 from lazarus_runtime.cluster_coordinator import ClusterCoordinator, Published  # noqa: E402
-from lazarus_runtime.job_channel import JobChannel, StepReport  # noqa: E402
+from lazarus_runtime.job_channel import Hello, JobChannel, StepReport  # noqa: E402
 
 NODES = [NodeSpec(f"n{i}", 1, 4, zone=f"z{i % 2}") for i in range(4)]
 
@@ -30,13 +30,20 @@ class Plans:
         return self.published
 
 
-class Reports:
-    def __init__(self):
-        self.reports: list[tuple[str, Progress]] = []
+class State:
+    """The job's state ConfigMap, as the coordinator's StateReporter would write it."""
+
+    def __init__(self, inherited: dict[str, str] | None = None):
+        self.reports: list[Progress] = []
+        self.suspects: dict[str, str] = {}
+        self.inherited = inherited or {}
         self.flushed = threading.Event()
 
-    def report(self, node: str, progress: Progress) -> None:
-        self.reports.append((node, progress))
+    def report(self, progress: Progress) -> None:
+        self.reports.append(progress)
+
+    def suspect(self, suspects: dict[str, str]) -> None:
+        self.suspects = dict(suspects)
 
     def flush(self) -> None:
         self.flushed.set()
@@ -46,7 +53,7 @@ class Reports:
 def job():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
-    chan, plans, progress = JobChannel(store, new_job_key(), "job"), Plans(), Reports()
+    chan, plans, progress = JobChannel(store, new_job_key(), "job"), Plans(), State()
     yield chan, plans, progress
     del store
 
@@ -60,10 +67,10 @@ def running(chan, plans, progress, **options) -> ClusterCoordinator:
     coord = ClusterCoordinator(chan, plans, progress, **options)
     plans.published = Published(first_plan(), frozenset())
     for n in NODES[:3]:
-        chan.hello(n.name)
+        chan.hello(n.name, Hello(n.name))
     coord.tick()
     assert chan.latest() == 0, "published before every worker said hello"
-    chan.hello(NODES[3].name)
+    chan.hello(NODES[3].name, Hello(NODES[3].name))
     coord.tick()
     assert chan.latest() == 1
     for n in NODES:
@@ -103,7 +110,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
     prepare(chan, 1, 1, world=4)
     coord.tick()  # the joiner has not said hello: step 1 commits under generation 1
     assert chan.latest() == 1 and chan.committed(1, 1) == 1
-    chan.hello("n4")
+    chan.hello("n4", Hello("n4"))
     coord.tick()
     assert chan.latest() == 1, "growth must wait for a step boundary"
     prepare(chan, 1, 2, world=4)
@@ -113,7 +120,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
     assert chan.committed(1, 2) == 2 and chan.latest() == 2
     directive = chan.directive(2)
     assert directive.start_step == 3 and directive.joiners == ("n4",)
-    assert [p.step for _, p in progress.reports] == [1, 2]
+    assert [p.step for p in progress.reports] == [1, 2]
 
 
 def test_a_stalled_plan_is_published_at_once_though_every_member_is_alive(job):
@@ -135,4 +142,59 @@ def test_the_last_step_stops_the_workers_and_the_coordinator(job):
         coord.tick()
 
     assert chan.stopped() and coord.stopping.is_set() and progress.flushed.is_set()
-    assert progress.reports[-1][1].step == 2
+    assert progress.reports[-1].step == 2
+
+
+def test_a_replacement_coordinator_carries_on_from_what_the_workers_hold(job):
+    chan, plans, state = job
+    plan = first_plan()
+    plans.published = Published(plan, frozenset())
+    # Its predecessor committed step 8 and died before n3 saw the commit; it had recorded
+    # step 7 (its record lags) and a checkpoint of step 5.
+    record = Progress(step=7, generation=1, checkpoint_step=5, restores=1)
+    coord = ClusterCoordinator(chan, plans, state, record=record)
+    layout = {n.name: tuple(tuple(sorted(set(layer.placement[i]))) for layer in plan.layers)
+              for i, n in enumerate(plan.nodes)}
+    for n in NODES[:3]:
+        chan.hello(n.name, Hello(f"{n.name}-2", committed=8, holdings=layout[n.name]))
+    coord.tick()
+    assert chan.latest() == 0, "decided before every worker reconnected"
+    chan.hello("n3", Hello("n3-2", committed=7, prepared=8, holdings=layout["n3"]))
+    coord.tick()
+
+    d = chan.directive(1)
+    # Nothing moves and nothing is restored: every worker kept its state in memory.
+    assert (d.start_step, d.roll_forward, d.transfers, d.restore_step) == (9, 8, (), None)
+    assert chan.checkpoint() == 5 and coord.steps.restores == 1
+    assert coord.steps.committed == 8
+
+
+def test_a_replacement_reports_the_workers_that_never_reconnect(job, monkeypatch):
+    import lazarus_runtime.cluster_coordinator as cc
+
+    chan, plans, state = job
+    plans.published = Published(first_plan(), frozenset())
+    coord = ClusterCoordinator(chan, plans, state, record=Progress(step=7, generation=1))
+    for n in NODES[:3]:
+        chan.hello(n.name, Hello(n.name, committed=7, holdings=((0,), (0,))))
+    coord.tick()
+    assert state.suspects == {}
+    coord.started -= cc.RECONNECT_WAIT_S + 1  # the wait is over
+    coord.tick()
+    assert list(state.suspects) == ["n3"] and "did not reconnect" in state.suspects["n3"]
+    assert chan.latest() == 0  # the operator re-plans without n3; nothing is published yet
+
+
+def test_a_predecessors_lost_worker_stays_lost_until_it_beats_again(job):
+    from lazarus_core.liveness import Beat
+
+    chan, plans, _ = job
+    state = State(inherited={"n2": "no heartbeat for 3.0 s"})
+    plans.published = Published(first_plan(), frozenset())
+    coord = ClusterCoordinator(chan, plans, state, record=Progress(step=3, generation=1))
+    coord.tick()
+    assert state.suspects == {"n2": "no heartbeat for 3.0 s"}
+    chan.beat("n2", Beat(1, 0.0))
+    coord.steps._looked_at = 0.0  # the next tick reads the heartbeats
+    coord.tick()
+    assert "n2" not in state.suspects

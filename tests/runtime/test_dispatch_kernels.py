@@ -32,6 +32,7 @@ SHAPES = [
     (70, 2, 3, 3),  # P = 140 spans two slot blocks
     (20, 3, 16, 6),  # top-k not a power of two
     (3, 2, 2100, 4),  # several hidden-size blocks per token
+    (11, 8, 1500, 9),  # top-8 with a row wider than one block (DeepSeek-V3's K, scaled down)
 ]
 SHAPE_IDS = [f"T{t}-K{k}-D{d}-B{b}" for t, k, d, b in SHAPES]
 
@@ -129,8 +130,11 @@ def test_permute_matches_reference(device, dtype, num_tokens, top_k, hidden, num
     expected_PD = permute_reference(x_TD, rows_TK)
     assert torch.equal(out_PD, expected_PD)  # a copy: exact
     (grad_x,) = torch.autograd.grad(out_PD, x_TD, grad_PD)
-    (expected_grad_x,) = torch.autograd.grad(expected_PD, x_TD, grad_PD)
-    assert_close(grad_x, expected_grad_x)
+    # The kernel sums a token's K gradients in fp32, as the reference does only in fp32 (in
+    # half precision it accumulates in half, which at top-8 drifts by more than a rounding).
+    x32_TD = x_TD.detach().float().requires_grad_()
+    (expected_grad_x,) = torch.autograd.grad(permute_reference(x32_TD, rows_TK), x32_TD, grad_PD.float())
+    assert_close(grad_x, expected_grad_x.to(dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)

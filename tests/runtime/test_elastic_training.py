@@ -99,3 +99,24 @@ def test_rebalancing_follows_the_measured_load(tmp_path, reference):
     result = run(path, workers=4)
     assert_equivalent(result, reference)
     assert "Rebalance" in [r["reason"] for r in result.reconfigurations]
+
+
+def test_a_frozen_worker_is_dropped_from_its_heartbeats_and_taken_back_when_it_resumes(
+        tmp_path, reference):
+    # SIGSTOP: alive, sockets open, silent. Nothing fails on its own; its heartbeats stop.
+    # The job runs long enough for the worker to come back while it trains.
+    path = manifest(tmp_path, "frozen")
+    events = []
+    result = run(path, workers=4, steps=4 * STEPS, events=events,
+                 kills=[Fault(5, names=("worker-1",), freeze_s=4.0)])
+    assert result.steps_completed == 4 * STEPS
+    assert result.samples_lost == 0 and result.samples_duplicated == 0
+    worst = max(abs(a - b) for a, b in zip(result.losses[:STEPS], reference.losses))
+    assert worst < TOLERANCE, (worst, result.losses, reference.losses)
+    reasons = [r["reason"] for r in result.reconfigurations]
+    assert reasons[0] == "NodeLost" and "NodeJoined" in reasons, (reasons, events)
+    # Dropped after the silence bound (3 s), well within the 10 s the job may lose.
+    assert result.reconfigurations[0]["seconds"] < 6.0, result.reconfigurations
+    assert any("worker-1 is lost: no heartbeat" in e for e in events), events
+    assert any("worker-1 is back" in e for e in events), events
+    assert result.workers == 4  # taken back, as a joiner that got the state it missed

@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import pytest
 
+import solo_engines
 from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
 from lazarus_runtime.collectives import Collectives
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_runtime.engine import Engine
 
-CFG = RuntimeConfig.from_manifest({"model": "tiny", "globalBatch": 4, "generatedTokens": 5_000,
-                                   "learningRate": "3e-3"})
+MANIFEST = {"model": "tiny", "globalBatch": 4, "generatedTokens": 5_000, "learningRate": "3e-3"}
+CFG = RuntimeConfig.from_manifest(MANIFEST)
 E, L = CFG.model.experts, CFG.model.layers
 
 
 def solo_engine() -> Engine:
-    plan = plan_job([NodeSpec("solo", gpus=1, slots_per_gpu=E)], experts=E, layers=L,
-                    min_replicas=1)
-    return Engine(CFG, plan, 0, Collectives.single())
+    return solo_engines.solo_engine(MANIFEST)
 
 
 def test_a_joining_worker_given_dense_and_expert_state_continues_bit_for_bit():

@@ -38,7 +38,10 @@ def route(dispatcher, rank):
     x_TD, weights_TK, experts_TK = tokens_of(rank)
     x_TD.requires_grad_(True)
     weights_TK.requires_grad_(True)
-    routed, num_rows, meta = dispatcher.dispatch(x_TD, weights_TK, experts_TK)
+    routed, rows, meta = dispatcher.dispatch(x_TD, weights_TK, experts_TK)
+    num_rows = rows.counts_L.tolist()
+    # Where the dispatcher knows the counts on the host, they are the device's.
+    assert rows.host_counts is None or list(rows.host_counts) == num_rows
     out_TD = dispatcher.combine(apply_experts(dispatcher, routed, num_rows), meta)
     (out_TD * torch.arange(D)).sum().backward()
     return out_TD.detach().numpy(), x_TD.grad.numpy(), weights_TK.grad.numpy(), meta, num_rows

@@ -19,6 +19,16 @@ def test_named_model_with_overrides():
     assert cfg.data.global_batch == 16 and cfg.data.source == "generated"
 
 
+def test_compute_options():
+    cfg = RuntimeConfig.from_manifest({"precision": "bf16", "activationCheckpointing": "full",
+                                       "compile": "dense"})
+    assert (cfg.compute.precision, cfg.compute.activation_checkpointing,
+            cfg.compute.compile) == ("bf16", "full", "dense")
+    defaults = RuntimeConfig.from_manifest({}).compute
+    assert (defaults.precision, defaults.activation_checkpointing, defaults.compile) == \
+        (None, "none", "none")
+
+
 def test_paper_models_have_the_paper_sizes():
     # Parameter counts from paper-notes.md: 521M, 1.3B, 1.7B (every FFN an MoE layer).
     def params(m):
@@ -44,6 +54,9 @@ def test_paper_models_have_the_paper_sizes():
     ({"beta2": "1"}, "beta2"),
     ({"dataset": ""}, "dataset"),
     ({"topk": 2}, "topk"),
+    ({"precision": "fp16"}, "precision"),
+    ({"activationCheckpointing": True}, "activationCheckpointing"),
+    ({"compile": "all"}, "compile"),
 ])
 def test_bad_values_name_their_field(runtime, field):
     with pytest.raises(ValueError, match=rf"^(runtime: unknown field\(s\) )?{field}"):

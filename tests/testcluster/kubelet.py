@@ -145,6 +145,16 @@ class LocalKubelet:
     def log_path(self, pod_name: str) -> Path:
         return self._log_dir / pod_name / "output.log"
 
+    def log_paths(self, prefix: str) -> list[Path]:
+        """The logs of every pod whose name starts with ``prefix`` (a coordinator's
+        incarnations, say), in no particular order."""
+        return sorted(self._log_dir.glob(f"{prefix}*/output.log"))
+
+    def vanish(self, node: str) -> None:
+        """The machine is gone but its Node object lingers, as after a reclaim the cloud has
+        not reported yet: every process on it is SIGKILLed and nothing is reported, ever."""
+        self._node_gone(node)
+
     def process(self, pod_name: str) -> subprocess.Popen | None:
         """The process last started for a pod of that name, also after it ended."""
         with self._lock:

@@ -6,14 +6,15 @@ import pytest
 pytest.importorskip("kopf")  # the operator extra
 
 from lazarus_core import process_env as penv  # noqa: E402
-from lazarus_core.cluster_contract import (PROGRESS_ANNOTATION, progress_json,  # noqa: E402
-                                           read_plan_configmap)
+from lazarus_core.cluster_contract import (read_plan_configmap,  # noqa: E402
+                                           read_state_configmap, state_configmap_data)
 from lazarus_core.controller import Progress  # noqa: E402
 from lazarus_core.job_spec import parse_spec  # noqa: E402
 from lazarus_core.solver import plan_job  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
 from lazarus_operator import builders  # noqa: E402
-from lazarus_operator.observe import NodeInfo, observe_workers  # noqa: E402
+from lazarus_operator.observe import (NodeInfo, observe_coordinator,  # noqa: E402
+                                     observe_workers)
 
 SPEC = parse_spec({
     "runtime": {"model": "tiny", "experts": 4, "layers": 2},
@@ -84,14 +85,15 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
 
 
 def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_it():
-    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, port=1234)
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, index=3, port=1234)
     svc = builders.build_coordinator_service("j", "ns", port=1234)
     c = pod["spec"]["containers"][0]
     env = _environment(c)
-    assert pod["metadata"]["name"] == svc["metadata"]["name"] == "j-coordinator"
+    assert (pod["metadata"]["name"], svc["metadata"]["name"]) == ("j-coordinator-3", "j-coordinator")
     assert c["command"][-1] == "lazarus_runtime.cluster_coordinator"
     coordinator = penv.read_coordinator_env(env)
-    assert (coordinator.job, coordinator.plan_configmap, coordinator.port) == ("j", "j-plan", 1234)
+    assert (coordinator.job, coordinator.plan_configmap, coordinator.state_configmap,
+            coordinator.port) == ("j", "j-plan", "j-state", 1234)
     assert coordinator.steps is None  # trains until deleted
     assert coordinator.key == KEY
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -99,6 +101,16 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert env["EXTRA"] == "1"
     # spec.coordinator places it; none of the workers' GPU request, selector or tolerations.
     assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["spec"]["tolerations"] == []
+    # Kept off spot capacity however a cloud labels it, on top of spec.coordinator.
+    terms = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    rules = {(m["key"], m["operator"], tuple(m["values"])) for m in terms[0]["matchExpressions"]}
+    assert ("karpenter.sh/capacity-type", "NotIn", ("spot",)) in rules
+    assert ("cloud.google.com/gke-spot", "NotIn", ("true",)) in rules
+    pdb = builders.build_coordinator_pdb("j", "ns")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert all(pod["metadata"]["labels"][k] == v
+               for k, v in pdb["spec"]["selector"]["matchLabels"].items())
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
     # Its own account, whatever the template says (that one is the workers').
     assert pod["spec"]["serviceAccountName"] == "j-coordinator"
@@ -135,7 +147,7 @@ def test_the_key_secret_is_the_one_the_pods_read():
         assert refs == [{"name": KEY_SECRET, "key": builders.KEY_SECRET_ENTRY}]
 
 
-def test_the_coordinators_role_reaches_only_its_own_jobs_plan():
+def test_the_coordinators_role_reaches_only_its_own_jobs_plan_and_state():
     account, role, binding = builders.build_coordinator_access("j", "ns")
     pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)
     assert account["kind"] == "ServiceAccount"
@@ -145,7 +157,10 @@ def test_the_coordinators_role_reaches_only_its_own_jobs_plan():
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     configmaps = [r for r in role["rules"] if "configmaps" in r["resources"]]
     assert configmaps == [{"apiGroups": [""], "resources": ["configmaps"],
-                           "verbs": ["get", "list", "watch"], "resourceNames": ["j-plan"]}]
+                           "verbs": ["get", "list", "watch"], "resourceNames": ["j-plan"]},
+                          {"apiGroups": [""], "resources": ["configmaps"],
+                           "verbs": ["get", "patch"], "resourceNames": ["j-state"]}]
+    assert configmaps == role["rules"]  # no pod rights, nothing else
     for rule in role["rules"]:
         assert "secrets" not in rule["resources"] and "*" not in rule["verbs"]
         assert not {"create", "delete", "update"} & set(rule["verbs"])
@@ -168,10 +183,12 @@ def test_a_process_started_without_its_environment_is_told_what_is_missing():
         penv.read_worker_env({penv.COORDINATOR: "h:1", penv.RUNTIME: "{}"})
     with pytest.raises(penv.EnvError, match="malformed"):
         penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n", penv.JOB_KEY: KEY,
-                                   penv.PLAN_CONFIGMAP: "p", penv.COORDINATOR_PORT: "x"})
+                                   penv.PLAN_CONFIGMAP: "p", penv.STATE_CONFIGMAP: "s",
+                                   penv.COORDINATOR_PORT: "x"})
     with pytest.raises(penv.EnvError, match=penv.JOB_KEY):
         penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n", penv.JOB_KEY: "short",
-                                   penv.PLAN_CONFIGMAP: "p", penv.COORDINATOR_PORT: "1"})
+                                   penv.PLAN_CONFIGMAP: "p", penv.STATE_CONFIGMAP: "s",
+                                   penv.COORDINATOR_PORT: "1"})
 
 
 def test_plan_configmap_round_trips_the_plan_and_the_draining_nodes():
@@ -184,13 +201,18 @@ def test_plan_configmap_round_trips_the_plan_and_the_draining_nodes():
     assert read_plan_configmap(drained["data"]) == (plan, frozenset({"n7", "n9"}))
 
 
-def test_progress_reports_round_trip_with_what_the_coordinator_measured():
+def test_the_state_configmap_round_trips_progress_and_lost_workers():
     p = Progress(step=12, generation=3, loads=((1, 2), (3, 4)), checkpoint_step=10,
                  experts_migrated=5, restored_step=None, experts_lost=0, restores=2)
-    pod = _pod("j-worker-0", "a")
-    pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = progress_json(p)
-    obs = observe_workers([pod], {"a": NodeInfo.from_manifest(_node("a"))}, SPEC, JOB_UID)
-    assert obs.progress == p
+    suspects = {"n2": "no heartbeat for 3.1 s"}
+    assert read_state_configmap(state_configmap_data(p, suspects)) == (p, suspects)
+    assert read_state_configmap({}) == (None, {})
+    # Garbage from a buggy coordinator reads as absent, never as an error.
+    assert read_state_configmap({"progress.json": '{"step": "x"}',
+                                 "suspects.json": "[1]"}) == (None, {})
+    cm = builders.build_state_configmap("j", "ns")
+    assert cm["metadata"]["name"] == "j-state" and cm["metadata"]["labels"][
+        "lazarus.dev/role"] == "state"
 
 
 def _node(name, ready=True, taints=(), labels=None):
@@ -202,14 +224,12 @@ def _node(name, ready=True, taints=(), labels=None):
 JOB_UID = "5e2a-job-uid"
 
 
-def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(), progress=None,
+def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(),
          owner=JOB_UID):
     meta = {"name": name, "labels": {builders.INDEX_LABEL: str(index)}, "annotations": {},
             "ownerReferences": [{"kind": "LazarusJob", "name": "j", "uid": owner}]}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    if progress:
-        meta["annotations"][PROGRESS_ANNOTATION] = json.dumps(progress)
     return {"metadata": meta, "spec": {"nodeName": node} if node else {},
             "status": {"phase": phase, "conditions": list(conditions)}}
 
@@ -224,7 +244,7 @@ def test_observation_sorts_pods_into_live_starting_noticed_and_doomed():
         "gone": None,
     }
     pods = [
-        _pod("j-worker-0", "a", index=0, progress={"step": 7, "generation": 2, "checkpointStep": 5}),
+        _pod("j-worker-0", "a", index=0),
         _pod("j-worker-1", "b", index=1),
         _pod("j-worker-2", "c", index=2),
         _pod("j-worker-3", None, phase="Pending", index=3),
@@ -241,24 +261,49 @@ def test_observation_sorts_pods_into_live_starting_noticed_and_doomed():
     assert obs.starting == ["j-worker-3"]
     assert obs.doomed == [("j-worker-2", True), ("j-worker-4", True), ("j-worker-5", False)]
     assert obs.used_indices == set(range(8))
-    assert (obs.progress.step, obs.progress.generation, obs.progress.checkpoint_step) == (7, 2, 5)
 
 
-def test_a_garbled_progress_report_is_ignored():
-    pods = [_pod("j-worker-0", "a", progress={"step": "x"})]
-    obs = observe_workers(pods, {"a": NodeInfo.from_manifest(_node("a"))}, SPEC, JOB_UID)
-    assert obs.progress is None and len(obs.live) == 1
+def test_a_worker_the_coordinator_found_lost_is_not_live_but_its_pod_is_kept():
+    nodes = {n: NodeInfo.from_manifest(_node(n)) for n in "ab"}
+    pods = [_pod("j-worker-0", "a", index=0), _pod("j-worker-1", "b", index=1)]
+    obs = observe_workers(pods, nodes, SPEC, JOB_UID, suspects={"b"})
+    assert [n.name for n in obs.live] == ["a"]
+    assert obs.doomed == [] and obs.pod_on == {"a": "j-worker-0", "b": "j-worker-1"}
+
+
+def test_the_coordinator_is_replaced_when_its_process_pod_or_node_dies():
+    nodes = {"a": NodeInfo.from_manifest(_node("a")),
+             "sick": NodeInfo.from_manifest(_node("sick", ready=False)), "gone": None}
+    running = [_pod("j-coordinator-0", "a", index=0)]
+    assert observe_coordinator(running, nodes, JOB_UID).alive
+    assert observe_coordinator([_pod("j-coordinator-0", None, "Pending")], nodes, JOB_UID).alive
+    done = observe_coordinator([_pod("j-coordinator-0", "a", "Succeeded")], nodes, JOB_UID)
+    assert done.finished and not done.alive and done.doomed == []  # the job trained its steps
+    for dead, force in ((_pod("j-coordinator-0", "a", "Failed"), False),
+                        (_pod("j-coordinator-0", "sick"), True),
+                        (_pod("j-coordinator-0", "gone"), True)):
+        obs = observe_coordinator([dead], nodes, JOB_UID)
+        assert not obs.alive and obs.doomed == [("j-coordinator-0", force)]
+        assert obs.next_index == 1  # a new name: no waiting for the old one to be freed
+    deleting = observe_coordinator([_pod("j-coordinator-4", "a", index=4, deleting=True)], nodes,
+                                   JOB_UID)
+    assert not deleting.alive and deleting.doomed == [] and deleting.next_index == 5
 
 
 def test_a_pod_with_the_jobs_labels_that_the_job_does_not_own_counts_for_nothing():
     """Labels can be copied by anyone who may create a pod; ownership cannot."""
     nodes = {n: NodeInfo.from_manifest(_node(n)) for n in ("a", "b")}
-    forged = _pod("j-worker-9", "b", index=9, owner="someone-else",
-                  progress={"step": 10**6, "generation": 99})
+    forged = _pod("j-worker-9", "b", index=9, owner="someone-else")
     obs = observe_workers([_pod("j-worker-0", "a"), forged], nodes, SPEC, JOB_UID)
-    assert [n.name for n in obs.live] == ["a"] and obs.progress is None
+    assert [n.name for n in obs.live] == ["a"]
     assert obs.doomed == [] and obs.starting == []  # and it is not the job's to delete
     assert obs.used_indices == {0, 9}  # its name is never reused, though
+    # A fake coordinator can pass neither for a live one nor for one that finished the job.
+    for phase in ("Running", "Succeeded"):
+        fake = observe_coordinator([_pod("j-coordinator-0", "a", phase, owner="someone-else")],
+                                   nodes, JOB_UID)
+        assert not fake.alive and not fake.finished and fake.doomed == []
+        assert fake.next_index == 1  # the real one gets a name of its own
 
 
 def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
@@ -268,7 +313,7 @@ def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
     before = pod_fingerprint(pod)
     pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] = "9"
     assert pod_fingerprint(pod) == before
-    pod["metadata"]["annotations"][PROGRESS_ANNOTATION] = '{"step": 1, "generation": 1}'
+    pod["status"]["phase"] = "Failed"
     assert pod_fingerprint(pod) != before
 
 

@@ -10,7 +10,10 @@ import torch
 
 from .backend import tl, triton
 from .checks import check_float_2d, check_index_TK, check_weights_TK
-from .scatter import tile_sizes
+from .scatter import row_tile
+
+# Cap on the [BLOCK_K, BLOCK_D] tile a weight-gradient program reduces at a time.
+WEIGHT_GRAD_TILE = 4096
 
 
 @triton.jit
@@ -19,23 +22,22 @@ def _combine_kernel(
     rows_ptr,  # int64 [T, K] row of each (token, k) in src
     weights_ptr,  # [T, K] gate weight of each (token, k); read only if HAS_WEIGHTS
     out_ptr,  # [T, D] out: out[t] = sum_k weights[t, k] * src[rows[t, k]]
-    top_k,  # K
     hidden,  # D
+    TOP_K: tl.constexpr,  # K
     HAS_WEIGHTS: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # power of two >= K
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    k = tl.arange(0, BLOCK_K)
     d_mask = d < hidden
-    k_mask = k < top_k
-    rows = tl.load(rows_ptr + t * top_k + k, mask=k_mask, other=0)
-    src_ptrs = src_ptr + rows[:, None] * hidden + d[None, :]
-    vals = tl.load(src_ptrs, mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_WEIGHTS:
-        vals = vals * tl.load(weights_ptr + t * top_k + k, mask=k_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + t * hidden + d, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=d_mask)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(rows_ptr + t * TOP_K + k)
+        vals = tl.load(src_ptr + row * hidden + d, mask=d_mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            vals = vals * tl.load(weights_ptr + t * TOP_K + k).to(tl.float32)
+        acc += vals
+    tl.store(out_ptr + t * hidden + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -79,17 +81,17 @@ def combine_triton(y_PD: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.
     out_TD = torch.empty((num_tokens, hidden), dtype=y_PD.dtype, device=y_PD.device)
     if out_TD.numel() == 0:
         return out_TD
-    block_k, block_d = tile_sizes(top_k, hidden)
+    block_d, num_warps = row_tile(hidden)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         y_PD.contiguous(),
         rows_TK.contiguous(),
         weights_TK.contiguous() if weights_TK is not None else rows_TK,
         out_TD,
-        top_k,
         hidden,
+        TOP_K=top_k,
         HAS_WEIGHTS=weights_TK is not None,
-        BLOCK_K=block_k,
         BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out_TD
 
@@ -106,7 +108,8 @@ def weight_grad_triton(
         return grad_weights_TK
     if y_PD.shape[1] == 0:
         return grad_weights_TK.zero_()
-    block_k, block_d = tile_sizes(top_k, y_PD.shape[1])
+    block_k = triton.next_power_of_2(top_k)
+    block_d = max(min(triton.next_power_of_2(y_PD.shape[1]), WEIGHT_GRAD_TILE // block_k), 1)
     _weight_grad_kernel[(num_tokens,)](
         grad_out_TD.contiguous(),
         y_PD.contiguous(),

@@ -92,10 +92,16 @@ def bucket_positions_triton(bucket_ids_TK: torch.Tensor, num_buckets: int) -> tu
 
 
 def bucket_counts_reference(bucket_ids_TK: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Plain-torch bucket_counts."""
+    """Plain-torch bucket_counts.
+
+    A scatter-add, not ``torch.bincount``: bincount sizes its output from the largest id, which
+    on a GPU is a read back to the host.
+    """
     check_index_TK("bucket_ids_TK", bucket_ids_TK)
     check_num_buckets(num_buckets)
-    return torch.bincount(bucket_ids_TK.reshape(-1), minlength=num_buckets)
+    ids_P = bucket_ids_TK.reshape(-1)
+    counts_B = torch.zeros(num_buckets, dtype=torch.int64, device=ids_P.device)
+    return counts_B.scatter_add_(0, ids_P, torch.ones_like(ids_P))
 
 
 def bucket_positions_reference(bucket_ids_TK: torch.Tensor, num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
