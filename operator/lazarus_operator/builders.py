@@ -42,6 +42,12 @@ KEY_SECRET_ENTRY = "key"
 # Writable scratch space under a read-only root filesystem.
 SCRATCH_VOLUME = "lazarus-scratch"
 SCRATCH_PATH = "/tmp"
+# The coordinator's resources unless spec.coordinator sets its own. Its process holds about
+# 580 MiB from its start (torch, the Kubernetes client, the store), and stays flat over a
+# long run: keys and records are pruned behind it (benchmarks/bench_coordinator_memory.py).
+# The limit leaves room for that and bounds anything that would grow anyway.
+COORDINATOR_RESOURCES = {"requests": {"cpu": "500m", "memory": "768Mi"},
+                         "limits": {"memory": "2Gi"}}
 _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                        "readOnlyRootFilesystem": True}
 _POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
@@ -197,8 +203,7 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: s
         "command": list(COORDINATOR_COMMAND),
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": port}],
-        "resources": _quantities(placement.get("resources")
-                                 or {"requests": {"cpu": "500m", "memory": "512Mi"}}),
+        "resources": _quantities(placement.get("resources") or COORDINATOR_RESOURCES),
         "securityContext": dict(_CONTAINER_SECURITY),
         "volumeMounts": [],
     }

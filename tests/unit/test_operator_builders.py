@@ -112,6 +112,7 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert all(pod["metadata"]["labels"][k] == v
                for k, v in pdb["spec"]["selector"]["matchLabels"].items())
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert c["resources"]["limits"]["memory"] == "2Gi"  # bounded, unless spec.coordinator says
     # Its own account, whatever the template says (that one is the workers').
     assert pod["spec"]["serviceAccountName"] == "j-coordinator"
     assert pod["spec"]["automountServiceAccountToken"] is True
