@@ -1,6 +1,6 @@
 """The paper's placement setting through `lazarus plan`: recovery by policy, skew and k.
 
-    python benchmarks/paper_placement_table.py > docs/placement.md
+    hack/bench.sh benchmarks/paper_placement_table.py   (its tables are in docs/placement.md)
 
 N=10 nodes, c=6 slots, f=2, E=8 and E=16, zipf skew 0-1.5, one layer (the paper's
 recovery figure is per model at one load snapshot; layers with equal loads fail together).
@@ -38,7 +38,10 @@ def main():
     for experts in (8, 16):
         for skew in (0.0, 0.5, 1.0, 1.5):
             plans = {p: plan(experts, f"zipf:{skew}", p) for p in POLICIES}
-            replicas = " ".join(map(str, plans["mro"]["replicas"][0]))
+            replicas = " ".join(map(str, plans["spread"]["replicas"][0]))
+            if plans["mro"]["replicas"] != plans["spread"]["replicas"]:
+                # MRO traded some replicas for balance (allocation.even_out).
+                replicas += " (mro: " + " ".join(map(str, plans["mro"]["replicas"][0])) + ")"
             for k in range(1, 6):
                 cells = " | ".join(f"{plans[p]['recovery'][str(k)]:.3f}" for p in POLICIES)
                 first = f"{experts} | {skew} | {replicas}" if k == 1 else " | | "

@@ -48,7 +48,8 @@ def main() -> None:
     events = os.environ["BENCH_EVENTS"]
     _, spec = parse_manifest(yaml.safe_load(Path(os.environ["BENCH_MANIFEST"]).read_text()))
     cfg = RuntimeConfig.from_manifest(dict(spec.runtime))
-    ckpt_dir, every = Path(spec.checkpoint.path), spec.checkpoint.every_steps
+    store = checkpoint.Checkpoints.open(spec.checkpoint.path, None, spec.checkpoint.keep)
+    every = spec.checkpoint.every_steps
     record(events, event="up", rank=rank, world=world, restart=restart)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -63,7 +64,7 @@ def main() -> None:
     engine = Engine(cfg, plan, rank, comm,
                     StepBatches.from_config(cfg.data, cfg.model.seq_len, cfg.model.vocab))
     step = 1
-    latest = checkpoint.latest(ckpt_dir)
+    latest = store.latest()
     if latest is not None:
         engine.load_state(*latest.load(set(engine.held_experts())))
         step = latest.step + 1
@@ -76,12 +77,12 @@ def main() -> None:
         if every and step % every == 0:
             owned = {key: engine.expert_state(key)
                      for key in checkpoint.owned_experts(plan, rank)}
-            info = checkpoint.write_shard(ckpt_dir, step, rank, owned,
-                                          engine.dense_state() if rank == 0 else None)
+            info = store.write_shard(step, rank, owned,
+                                     engine.dense_state() if rank == 0 else None)
             shards = [None] * world
             dist.all_gather_object(shards, info)
             if rank == 0:
-                checkpoint.write_manifest(ckpt_dir, step, shards)
+                store.write_manifest(step, shards)
         if rank == 0:
             record(events, event="step", step=step, restart=restart, loss=loss)
         step += 1

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The kind path, for machines with Docker (ours have none, so this is the users' path): a kind
-# cluster with one worker per pool and zone of hack/nodepools.yaml, carrying the pool's labels
-# and taints and advertising its fake nvidia.com/gpu capacity, and the same cluster tests run
-# against it.
+# The kind path, for machines with Docker and a registry: a kind cluster with one worker per
+# pool and zone of hack/nodepools.yaml, carrying the pool's labels and taints and advertising
+# its fake nvidia.com/gpu capacity, and the same cluster tests run against it.
 #
 #   hack/kind.sh up               create the cluster, or reuse it; prints its kubeconfig path
 #   hack/kind.sh test [ARGS...]   run the cluster tests (pytest -m cluster ARGS) against it
@@ -10,6 +9,10 @@
 #
 # kind's default node image (Kubernetes 1.37 for kind v0.33.0) is used unless KIND_NODE_IMAGE
 # names another. Tests that need kwok (scratch nodes for fault injection) skip themselves.
+#
+# Not run in CI: kind's nodes run from a kindest/node image, which only a registry serves,
+# and none is reachable from our machines; `kind create cluster` then fails at once on the
+# pull. README ("With Docker: kind") says what building one here would take.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 source "$LAZARUS_ROOT/hack/control-plane-versions.sh"
@@ -23,7 +26,7 @@ require_docker() {
   command -v docker >/dev/null \
     || die "kind runs its nodes in Docker, and docker is not on PATH. Without Docker, use hack/cluster.sh up (kwok) instead."
   docker info >/dev/null 2>&1 \
-    || die "kind needs a running Docker engine, and 'docker info' failed (is the daemon running, may this user use it?)."
+    || die "kind needs a running Docker engine, and 'docker info' failed (hack/images.sh engine starts one as root)."
 }
 
 ensure_kind() {

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-ADMISSION, CONDITION, EITHER = "admission", "condition", "either"
+ADMISSION, CONDITION = "admission", "condition"
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class BadSpec:
     id: str
     change: Callable[[dict], None]  # edits a valid manifest in place
     field: str  # the manifest path both the parser and the API server must name
-    where: str  # ADMISSION, CONDITION, or EITHER (the parser's caller decides)
+    where: str  # ADMISSION or CONDITION
     reason: str = ""  # the condition's reason, for CONDITION cases
 
     def apply(self, manifest: dict) -> dict:
@@ -123,20 +123,13 @@ CASES = [
     BadSpec("unknown placement", _spec(placement="random"), "spec.placement", ADMISSION),
     BadSpec("an invalid label value", _template(labels={"team": "a b"}),
             "spec.template.labels", CONDITION, "InvalidLabel"),
-    # Checkpoints: relative paths, and (issue #15) paths that climb out of their directory.
+    # Checkpoints: relative paths, and paths that climb out of their directory.
     BadSpec("relative checkpoint path", _spec(checkpoint={"path": "ckpt/run1"}),
             "spec.checkpoint.path", ADMISSION),
     BadSpec("checkpoint path traversal", _spec(checkpoint={"path": "/ckpt/../../etc"}),
-            "spec.checkpoint.path", EITHER),
+            "spec.checkpoint.path", ADMISSION),
 ]
 
-# The checkpoint section is issue #15's; until it lands, a path that climbs out is accepted.
-AWAITING_ISSUE_15 = {"checkpoint path traversal"}
-
-
 def params() -> list:
-    """The table as pytest params; the cases issue #15 will fix are strict xfails, so they
-    fail loudly (XPASS) once it lands, and the mark is removed."""
-    return [pytest.param(case, id=case.id, marks=[pytest.mark.xfail(
-        strict=True, reason="path traversal in checkpoint.path is issue #15")]
-        if case.id in AWAITING_ISSUE_15 else []) for case in CASES]
+    """The table as pytest params, each named by its case."""
+    return [pytest.param(case, id=case.id) for case in CASES]

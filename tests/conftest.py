@@ -14,7 +14,8 @@ from testcluster.fixtures import (  # noqa: E402,F401
     pytest_runtest_makereport,
     scratch_nodes,
 )
-from testcluster.kubelet import local_kubelet  # noqa: E402,F401
+from testcluster.images import images  # noqa: E402,F401
+from testcluster.kubelet import container_kubelet, local_kubelet  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,3 +30,4 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device; hack/gpu-check.sh runs it on one")
     for item in gpu_items:
         item.add_marker(skip)
+from testcluster.s3server import s3_bucket, s3_server  # noqa: E402,F401

@@ -93,7 +93,9 @@ def run(args) -> int:
     checkpoint_dir = None
     if spec.checkpoint:
         # A fresh directory per run: a restore must never pick up another run's weights.
-        checkpoint_dir = Path(spec.checkpoint.path) / time.strftime(f"run-%Y%m%d-%H%M%S-{name}")
+        # (A string, not a Path: the location may be a URL such as s3://bucket/prefix.)
+        checkpoint_dir = (spec.checkpoint.path.rstrip("/") + "/"
+                          + time.strftime(f"run-%Y%m%d-%H%M%S-{name}"))
     console = _Console()
     job = LocalJob(name, spec, workers, args.steps, kills, joins,
                    checkpoint_dir, args.seed, on_event=console.event,

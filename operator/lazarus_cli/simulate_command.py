@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--replace", type=float, help="seconds until a lost node is replaced")
     p.add_argument("--trace", help="a spot trace: aws-g4dn, aws-p2, synthetic-spot, or a CSV path "
                                    "(availability or events format)")
-    p.add_argument("--start", type=float, help="replay an availability trace from this second")
+    p.add_argument("--start", type=float, help="replay a trace file from this second")
     p.add_argument("--scale-to", type=int, help="map an availability trace's peak to N nodes")
     p.add_argument("--duration", type=float, help="simulated seconds")
     p.add_argument("--notice", type=float, help="spot notice lead time in seconds")

@@ -10,6 +10,7 @@ floating-point shares would round a slot away.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -58,3 +59,46 @@ def allocate_replicas(loads: Sequence[float], total_slots: int, min_replicas: in
         free -= r
     replicas[order[-1]] = free
     return replicas
+
+
+def even_out(replicas: Sequence[int], loads: Sequence[float], keep: int) -> list[int]:
+    """Replica counts traded so that no replica carries much more load than the mean.
+
+    The formula above floors every share and gives the rounding left over to the most
+    loaded expert, so an expert whose share is 2.9 slots gets 2 replicas, each carrying
+    1.45 times the mean. One replica at a time moves from the expert whose replicas would
+    still carry the least load to the expert whose replicas carry the most, while that
+    lowers the most. Donors keep at least ``keep`` replicas (a placement passes the
+    number of nodes, so no donor's node set shrinks), every count stays at least what the
+    formula gave or ``keep``, and more load still never gets fewer replicas.
+    """
+    r = list(replicas)
+    if sum(loads) <= 0:
+        return r
+    # Max-heap of load per replica; min-heap of load per replica after giving one away.
+    # Ties go by load, then id, so experts that look alike are treated alike in any order.
+    most = [(-t / n, -t, e) for e, (t, n) in enumerate(zip(loads, r)) if n]
+    least = [(t / (n - 1), t, e) for e, (t, n) in enumerate(zip(loads, r)) if n > keep]
+    heapq.heapify(most)
+    heapq.heapify(least)
+    while most and least:
+        neg, _, x = most[0]
+        if -neg != loads[x] / r[x]:
+            heapq.heappop(most)  # stale
+            continue
+        after, _, d = least[0]
+        if r[d] <= keep or after != loads[d] / (r[d] - 1):
+            heapq.heappop(least)  # stale
+            continue
+        if d == x or after >= -neg:
+            break
+        r[x] += 1
+        r[d] -= 1
+        heapq.heapreplace(most, (-loads[x] / r[x], -loads[x], x))
+        heapq.heappush(most, (-loads[d] / r[d], -loads[d], d))
+        heapq.heappop(least)
+        if r[d] > keep:
+            heapq.heappush(least, (loads[d] / (r[d] - 1), loads[d], d))
+        if r[x] > keep:
+            heapq.heappush(least, (loads[x] / (r[x] - 1), loads[x], x))
+    return r

@@ -42,8 +42,13 @@ def state_configmap_name(job: str) -> str:
 
 def plan_configmap_data(plan: Plan, draining: Iterable[str] = ()) -> dict[str, str]:
     """The published plan, and the nodes out of it whose workers still hold experts to
-    send (spot notice)."""
-    return {PLAN_KEY: plan.to_json(), DRAINING_KEY: json.dumps(sorted(draining))}
+    send (spot notice).
+
+    The plan goes compressed (``Plan.to_compact_json``): a plan for thousands of GPUs is
+    megabytes of JSON, and a ConfigMap holds at most 1 MiB. ``read_plan_configmap`` (and
+    ``Plan.from_json``) read it back.
+    """
+    return {PLAN_KEY: plan.to_compact_json(), DRAINING_KEY: json.dumps(sorted(draining))}
 
 
 def read_plan_configmap(data: Mapping[str, str]) -> tuple[Plan, frozenset[str]]:
@@ -80,7 +85,8 @@ def progress_json(p: Progress) -> str:
         "loads": [list(layer) for layer in p.loads] if p.loads is not None else None,
         "checkpointStep": p.checkpoint_step, "expertsMigrated": p.experts_migrated,
         "restoredStep": p.restored_step, "expertsLost": p.experts_lost,
-        "restores": p.restores,
+        "restores": p.restores, "checkpointError": p.checkpoint_error,
+        "checkpointFailures": p.checkpoint_failures,
     }, separators=(",", ":"))
 
 
@@ -98,6 +104,8 @@ def read_progress(raw: str) -> Progress | None:
             experts_migrated=int(d.get("expertsMigrated") or 0),
             restored_step=optional("restoredStep"),
             experts_lost=int(d.get("expertsLost") or 0),
-            restores=int(d.get("restores") or 0))
+            restores=int(d.get("restores") or 0),
+            checkpoint_error=str(d["checkpointError"]) if d.get("checkpointError") else None,
+            checkpoint_failures=int(d.get("checkpointFailures") or 0))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

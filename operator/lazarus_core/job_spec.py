@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import kube_names
+from .checkpoint_location import KEEP_DEFAULT, KEEP_MAX, KEEP_MIN, path_problem
 from .plan import POLICIES
 from .pod_template import check_coordinator, check_template
 from .runtime_config import (MODEL_LIMITS, TRAINING_BYTES_PER_PARAMETER, RuntimeConfig,
@@ -50,6 +51,7 @@ DEFAULTS = {
     "rebalanceEverySteps": 200,
     "rebalanceMinGainPercent": 10,
     "checkpointEverySteps": 50,
+    "checkpointKeep": KEEP_DEFAULT,
 }
 
 # (minimum, maximum) of each integer field of ``spec``. 10,000 nodes is twice the largest
@@ -72,6 +74,11 @@ MAX_RANK_BYTES = 288 * 2**30
 class CheckpointSpec:
     path: str
     every_steps: int
+    # Complete checkpoints kept; older ones are deleted.
+    keep: int = KEEP_DEFAULT
+    # A Secret in the job's namespace whose keys become the workers' environment: the
+    # storage credentials (AWS_ACCESS_KEY_ID, ..., or fsspec's FSSPEC_GCS), never in the spec.
+    secret_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -241,15 +248,21 @@ def _checkpoint(p: SpecReader, ck: object) -> CheckpointSpec | None:
         p.bad("spec.checkpoint", "InvalidCheckpoint", "must be an object with path and everySteps")
         return None
     path = ck.get("path")
-    # Workers on different nodes restore the same checkpoint, so it must be an absolute path
-    # on a shared volume or an object-store URL.
-    if not isinstance(path, str) or not (path.startswith("/") or re.match(r"^[a-z0-9]+://", path)):
-        p.bad("spec.checkpoint.path", "InvalidCheckpoint",
-              f"must be an absolute path on a shared volume or a URL such as s3://bucket/job, "
-              f"got {path!r}")
+    # Workers on different nodes restore the same checkpoint: a shared volume or an object
+    # store, in a scheme the workers can open.
+    if (problem := path_problem(path)) is not None:
+        p.bad("spec.checkpoint.path", "InvalidCheckpoint", problem)
     every = p.integer(ck, "spec.checkpoint", "everySteps", DEFAULTS["checkpointEverySteps"],
                       minimum=1)
-    return CheckpointSpec(path if isinstance(path, str) else "", every)
+    keep = p.integer(ck, "spec.checkpoint", "keep", DEFAULTS["checkpointKeep"],
+                     minimum=KEEP_MIN, maximum=KEEP_MAX)
+    secret = ck.get("secretName")
+    if secret is not None and not (isinstance(secret, str)
+                                   and kube_names.dns_1123_subdomain(secret) is None):
+        p.bad("spec.checkpoint.secretName", "InvalidCheckpoint",
+              f"must name a Secret in the job's namespace (a DNS subdomain), got {secret!r}")
+    return CheckpointSpec(path if isinstance(path, str) else "", every, keep or KEEP_DEFAULT,
+                          secret if isinstance(secret, str) else None)
 
 
 def _taints(p: SpecReader, taints: object) -> tuple[str, ...]:

@@ -4,15 +4,30 @@ A plan generation says, for every MoE layer, how many replicas each expert has a
 slots of which node hold them. Workers consume exactly this object (as JSON); the operator
 publishes it and the local backend hands it to its processes.
 
+Two encodings, one schema: ``to_json`` writes the plan as a JSON object, and
+``to_compact_json`` writes that same JSON zlib-compressed and base64-encoded inside a small
+JSON envelope ({"version", "encoding": "zlib+base64", "data"}), because a plan for thousands
+of GPUs (3.7 MiB of JSON at 4,096) must fit one API object (1 MiB). ``from_json`` reads both.
+
 Node order is rank order: node i owns the ranks in ``nodes[i].ranks`` and its slots are
 ``placement[i]``. Slot s of a node belongs to its rank ``ranks[s // slots_per_rank]``.
 """
 from __future__ import annotations
 
+import base64
 import json
-from dataclasses import asdict, dataclass, field
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain
+
+import numpy as np
 
 SCHEMA_VERSION = "lazarus.dev/plan/v1"
+COMPACT_ENCODING = "zlib+base64"
+# zlib's default: level 9 takes five times as long for 1% less at 4,096 GPUs.
+COMPRESSION_LEVEL = 6
 # Placement policies a plan can be made with (spec.placement).
 POLICIES = ("mro", "spread", "compact")
 
@@ -48,6 +63,27 @@ class LayerPlan:
 
     replicas: tuple[int, ...]
     placement: tuple[tuple[int, ...], ...]
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """[node, expert]: replicas of each expert on each node (computed once)."""
+        return replica_counts(self.placement, len(self.replicas))
+
+
+def replica_counts(placement: Sequence[Sequence[int]], num_experts: int | None = None
+                   ) -> np.ndarray:
+    """[node, expert]: how many replicas of the expert the node holds (as many experts as
+    the highest id present needs, when ``num_experts`` is not given)."""
+    sizes = [len(p) for p in placement]
+    if len(set(sizes)) == 1:  # every node alike: one array conversion, no Python loop
+        flat = np.array(placement, dtype=np.int64).ravel()
+    else:
+        flat = np.fromiter(chain.from_iterable(placement), dtype=np.int64, count=sum(sizes))
+    if num_experts is None:
+        num_experts = int(flat.max()) + 1 if len(flat) else 0
+    rows = np.repeat(np.arange(len(placement)), sizes)
+    counts = np.bincount(rows * num_experts + flat, minlength=len(placement) * num_experts)
+    return counts.reshape(len(placement), num_experts)
 
 
 @dataclass(frozen=True)
@@ -86,16 +122,29 @@ class Plan:
     # --- serialisation -------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["nodes"] = [dict(n, ranks=list(n["ranks"])) for n in d["nodes"]]
-        d["layers"] = [
-            {"replicas": list(l["replicas"]), "placement": [list(s) for s in l["placement"]]}
-            for l in d["layers"]
-        ]
-        return d
+        # Built by hand: dataclasses.asdict deep-copies a million slots one by one.
+        return {
+            "version": self.version,
+            "generation": self.generation,
+            "experts": self.experts,
+            "min_replicas": self.min_replicas,
+            "policy": self.policy,
+            "reason": self.reason,
+            "recovery": dict(self.recovery),
+            "nodes": [{"name": n.name, "ranks": list(n.ranks),
+                       "slots_per_rank": n.slots_per_rank, "zone": n.zone} for n in self.nodes],
+            "layers": [{"replicas": list(l.replicas), "placement": list(map(list, l.placement))}
+                       for l in self.layers],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_compact_json(self) -> str:
+        """The same JSON, compressed, in an envelope (see the module docstring)."""
+        data = base64.b64encode(zlib.compress(self.to_json().encode(), COMPRESSION_LEVEL))
+        return json.dumps({"version": self.version, "encoding": COMPACT_ENCODING,
+                           "data": data.decode("ascii")}, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -132,10 +181,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """A plan from either encoding (``to_json`` or ``to_compact_json``)."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError([f"plan: not valid JSON ({e})"]) from None
+        if isinstance(d, dict) and "encoding" in d:
+            d = _unpack(d)
         return cls.from_dict(d)
 
 
@@ -148,6 +200,23 @@ class Transfer:
     expert: int
     source: str
     destination: str
+
+
+def _unpack(envelope: dict) -> dict:
+    if envelope.get("encoding") != COMPACT_ENCODING:
+        raise PlanError([f"encoding: must be {COMPACT_ENCODING!r}, got "
+                         f"{envelope.get('encoding')!r}"])
+    if not isinstance(envelope.get("data"), str):
+        raise PlanError(["data: must be a string (the compressed plan, base64)"])
+    try:
+        text = zlib.decompress(base64.b64decode(envelope["data"], validate=True))
+        d = json.loads(text)
+    except (ValueError, zlib.error) as e:  # binascii.Error and JSONDecodeError included
+        raise PlanError([f"data: not a {COMPACT_ENCODING} plan ({e})"]) from None
+    if isinstance(d, dict) and d.get("version") != envelope.get("version"):
+        raise PlanError([f"version: the envelope says {envelope.get('version')!r}, the plan "
+                         f"{d.get('version')!r}"])
+    return d
 
 
 def _shape_violations(d) -> list[str]:
@@ -218,6 +287,7 @@ def violations(plan: Plan) -> list[str]:
             v.append(f"nodes[{i}].slots_per_rank: must be >= 1")
     if not plan.layers:
         v.append("layers: must not be empty")
+    node_slots = np.array([n.slots for n in plan.nodes], dtype=np.int64)
     for li, layer in enumerate(plan.layers):
         where = f"layers[{li}]"
         if len(layer.replicas) != plan.experts:
@@ -225,25 +295,38 @@ def violations(plan: Plan) -> list[str]:
         if len(layer.placement) != len(plan.nodes):
             v.append(f"{where}.placement: needs one slot list per node ({len(plan.nodes)})")
             continue
-        counts = [0] * plan.experts
-        for ni, (node, slots) in enumerate(zip(plan.nodes, layer.placement)):
-            if len(slots) != node.slots:
-                v.append(f"{where}.placement[{ni}]: node {node.name} has {node.slots} slots, "
-                         f"plan fills {len(slots)}")
-            if slots and not (0 <= min(slots) and max(slots) < plan.experts):
-                v.append(f"{where}.placement[{ni}]: expert ids must be in 0..{plan.experts - 1}")
-                continue
-            for e in slots:
-                counts[e] += 1
-        if len(layer.replicas) == plan.experts:
-            for e, (want, got) in enumerate(zip(layer.replicas, counts)):
-                if want != got:
-                    v.append(f"{where}.replicas[{e}]: says {want}, placement holds {got}")
-                if want < 1:
-                    v.append(f"{where}.replicas[{e}]: every expert needs at least one replica")
+        v.extend(_layer_violations(where, layer, plan, node_slots))
     for k, p in plan.recovery.items():
         if not (str(k).isdigit() and 0.0 <= p <= 1.0):
             v.append(f"recovery[{k}]: must map a failure count to a probability in [0, 1]")
+    return v
+
+
+def _layer_violations(where: str, layer: LayerPlan, plan: Plan, node_slots: np.ndarray
+                      ) -> list[str]:
+    """One layer's slot counts, expert ids and replica counts, checked as arrays (a large
+    plan has a million slots); the loops below only run to name what is wrong."""
+    v = []
+    sizes = np.array([len(s) for s in layer.placement], dtype=np.int64)
+    for ni in np.flatnonzero(sizes != node_slots).tolist():
+        node = plan.nodes[ni]
+        v.append(f"{where}.placement[{ni}]: node {node.name} has {node.slots} slots, "
+                 f"plan fills {sizes[ni]}")
+    flat = (np.array(layer.placement, dtype=np.int64).ravel() if len(set(sizes.tolist())) == 1
+            else np.fromiter(chain.from_iterable(layer.placement), dtype=np.int64))
+    if len(flat) and not (0 <= flat.min() and flat.max() < plan.experts):
+        for ni, slots in enumerate(layer.placement):
+            if slots and not (0 <= min(slots) and max(slots) < plan.experts):
+                v.append(f"{where}.placement[{ni}]: expert ids must be in 0..{plan.experts - 1}")
+        flat = flat[(flat >= 0) & (flat < plan.experts)]
+    if len(layer.replicas) == plan.experts:
+        want = np.array(layer.replicas, dtype=np.int64)
+        got = np.bincount(flat, minlength=plan.experts)
+        for e in np.flatnonzero((want != got) | (want < 1)).tolist():
+            if want[e] != got[e]:
+                v.append(f"{where}.replicas[{e}]: says {want[e]}, placement holds {got[e]}")
+            if want[e] < 1:
+                v.append(f"{where}.replicas[{e}]: every expert needs at least one replica")
     return v
 
 

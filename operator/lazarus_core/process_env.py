@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .checkpoint_location import KEEP_DEFAULT
 from .job_spec import JobSpec
 
 # --- a worker -----------------------------------------------------------------------------
@@ -20,6 +21,10 @@ NODE_NAME = "LAZARUS_NODE_NAME"  # the node it runs on: plans name nodes
 RUNTIME = "LAZARUS_RUNTIME"  # spec.runtime as JSON
 CHECKPOINT_PATH = "LAZARUS_CHECKPOINT_PATH"
 CHECKPOINT_EVERY_STEPS = "LAZARUS_CHECKPOINT_EVERY_STEPS"
+CHECKPOINT_KEEP = "LAZARUS_CHECKPOINT_KEEP"
+# The job's UID: its checkpoints live under <checkpoint path>/<uid>, apart from any other
+# job's (unset: the checkpoint path is this run's own folder, as `lazarus run` makes one).
+JOB_UID = "LAZARUS_JOB_UID"
 # Knobs a user may set through spec.template.env.
 COLLECTIVE_TIMEOUT_S = "LAZARUS_COLLECTIVE_TIMEOUT_S"
 RECONNECT_S = "LAZARUS_RECONNECT_S"  # how long to look for a replacement coordinator
@@ -64,6 +69,8 @@ class WorkerEnv:
     key: str = field(repr=False)
     checkpoint_path: str | None = None
     checkpoint_every_steps: int = 0
+    checkpoint_keep: int = KEEP_DEFAULT
+    job_uid: str | None = None
     collective_timeout_s: float = 60.0
     reconnect_s: float = 120.0
     log_level: str = "WARNING"
@@ -76,7 +83,8 @@ class WorkerEnv:
 
 
 def worker_env(spec: JobSpec, job: str, coordinator: str, node: str | None = None,
-               key: str | None = None, checkpoint_path: str | None = None) -> dict[str, str]:
+               key: str | None = None, checkpoint_path: str | None = None,
+               job_uid: str | None = None) -> dict[str, str]:
     """What a worker of ``spec`` is started with. ``node`` None leaves NODE_NAME to the
     caller (a pod takes it from the downward API), ``key`` None leaves JOB_KEY to it (a pod
     takes it from the job's Secret); ``checkpoint_path`` overrides ``spec.checkpoint.path``."""
@@ -86,10 +94,20 @@ def worker_env(spec: JobSpec, job: str, coordinator: str, node: str | None = Non
         env[NODE_NAME] = node
     if key is not None:
         env[JOB_KEY] = key
+    env |= _checkpoint_env(spec, checkpoint_path, job_uid)
+    if spec.checkpoint and env.get(CHECKPOINT_PATH):
+        env[CHECKPOINT_EVERY_STEPS] = str(spec.checkpoint.every_steps)
+        env[CHECKPOINT_KEEP] = str(spec.checkpoint.keep)
+    return env
+
+
+def _checkpoint_env(spec: JobSpec, checkpoint_path: str | None,
+                    job_uid: str | None) -> dict[str, str]:
+    """Where the job's checkpoints are: what the workers write and the coordinator reads."""
     path = checkpoint_path or (spec.checkpoint.path if spec.checkpoint else None)
-    if path:
-        env[CHECKPOINT_PATH] = path
-        env[CHECKPOINT_EVERY_STEPS] = str(spec.checkpoint.every_steps if spec.checkpoint else 0)
+    env = {CHECKPOINT_PATH: path} if path else {}
+    if path and job_uid:
+        env[JOB_UID] = job_uid
     return env
 
 
@@ -104,6 +122,8 @@ def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
             job=environ[JOB], key=_job_key(environ),
             checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
             checkpoint_every_steps=int(environ.get(CHECKPOINT_EVERY_STEPS) or 0),
+            checkpoint_keep=int(environ.get(CHECKPOINT_KEEP) or KEEP_DEFAULT),
+            job_uid=environ.get(JOB_UID) or None,
             collective_timeout_s=float(environ.get(COLLECTIVE_TIMEOUT_S) or 60),
             reconnect_s=float(environ.get(RECONNECT_S) or 120),
             log_level=environ.get(LOG_LEVEL) or "WARNING",
@@ -122,14 +142,18 @@ class CoordinatorEnv:
     key: str = field(repr=False)
     steps: int | None = None
     log_level: str = "WARNING"
+    # Where the workers' checkpoints are: the coordinator picks the one to restore.
+    checkpoint_path: str | None = None
+    job_uid: str | None = None
 
 
 def coordinator_env(job: str, namespace: str, plan_configmap: str, state_configmap: str,
-                    port: int, steps: int | None) -> dict[str, str]:
+                    port: int, spec: JobSpec, job_uid: str | None) -> dict[str, str]:
     env = {JOB: job, NAMESPACE: namespace, PLAN_CONFIGMAP: plan_configmap,
-           STATE_CONFIGMAP: state_configmap, COORDINATOR_PORT: str(port)}
-    if steps is not None:
-        env[STEPS] = str(steps)
+           STATE_CONFIGMAP: state_configmap,
+           COORDINATOR_PORT: str(port)} | _checkpoint_env(spec, None, job_uid)
+    if spec.steps is not None:
+        env[STEPS] = str(spec.steps)
     return env
 
 
@@ -143,7 +167,9 @@ def read_coordinator_env(environ: Mapping[str, str]) -> CoordinatorEnv:
             plan_configmap=environ[PLAN_CONFIGMAP], state_configmap=environ[STATE_CONFIGMAP],
             port=int(environ[COORDINATOR_PORT]), key=_job_key(environ),
             steps=int(environ[STEPS]) if environ.get(STEPS) else None,
-            log_level=environ.get(LOG_LEVEL) or "WARNING")
+            log_level=environ.get(LOG_LEVEL) or "WARNING",
+            checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
+            job_uid=environ.get(JOB_UID) or None)
     except ValueError as e:
         raise EnvError(f"malformed coordinator environment: {e}") from None
 

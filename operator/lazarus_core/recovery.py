@@ -17,6 +17,8 @@ from itertools import combinations
 
 import numpy as np
 
+from .plan import replica_counts
+
 Placement = list[list[int]]
 
 _INCLUSION_EXCLUSION_BUDGET = 2_000_000  # set unions formed before giving up on exactness
@@ -31,14 +33,42 @@ class Recovery:
     half_width: float = 0.0  # 95% confidence half-width when not exact
 
 
-def expert_node_sets(layers: Iterable[Placement]) -> list[int]:
-    """One bitmask of node positions per (layer, expert) that has any replica."""
-    masks: dict[tuple[int, int], int] = {}
-    for li, placement in enumerate(layers):
-        for node, experts in enumerate(placement):
-            for e in experts:
-                masks[li, e] = masks.get((li, e), 0) | (1 << node)
-    return list(masks.values())
+def _presence(layers: Iterable[Placement]) -> np.ndarray:
+    """[(layer, expert), node]: does the node hold a replica of it."""
+    return np.concatenate([replica_counts(placement).T > 0 for placement in layers])
+
+
+def _minimal_masks(layers: Sequence[Placement], max_size: int | None = None) -> list[int]:
+    """``minimal_sets`` of the layers' node sets, from their presence matrix at once."""
+    present = _presence(layers)
+    if max_size is not None:
+        present = present[present.sum(axis=1) <= max_size]
+    return masks_of(minimal_rows(present))
+
+
+def minimal_rows(present: np.ndarray) -> np.ndarray:
+    """The distinct non-empty rows of a boolean [set, node] matrix that contain no other,
+    smallest first."""
+    present = present[present.any(axis=1)]
+    packed = np.ascontiguousarray(np.packbits(present, axis=1))
+    # Distinct rows: compare packed rows as single opaque values, far cheaper than by column.
+    _, first = np.unique(packed.view(np.dtype((np.void, packed.shape[1]))).ravel(),
+                         return_index=True)
+    rows = present[np.sort(first)]
+    sizes = rows.sum(axis=1)
+    kept = np.zeros((0, present.shape[1]), dtype=bool)
+    for size in np.unique(sizes):
+        same = rows[sizes == size]
+        if len(kept):
+            inside = same.astype(np.int32) @ kept.T.astype(np.int32) == kept.sum(axis=1)
+            same = same[~inside.any(axis=1)]
+        kept = np.concatenate((kept, same))
+    return kept
+
+def masks_of(present: np.ndarray) -> list[int]:
+    """One bitmask per row of a boolean [row, node] matrix (bit i: node i)."""
+    packed = np.packbits(present, axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
 def minimal_sets(masks: Iterable[int], max_size: int | None = None) -> list[int]:
@@ -58,7 +88,7 @@ def recovery_probability(layers: Sequence[Placement], k: int, seed: int = 0) -> 
     n = len(layers[0])
     if not 0 <= k <= n:
         raise ValueError(f"failures: k must be in 0..{n}, got {k}")
-    return _recovery_from_sets(minimal_sets(expert_node_sets(layers), max_size=k), n, k, seed)
+    return _recovery_from_sets(_minimal_masks(layers, max_size=k), n, k, seed)
 
 
 def recovery_curve(layers: Sequence[Placement], max_failures: int,
@@ -70,7 +100,7 @@ def recovery_curve(layers: Sequence[Placement], max_failures: int,
     """
     n = len(layers[0])
     max_failures = min(max_failures, n)
-    sets = minimal_sets(expert_node_sets(layers), max_size=max_failures)
+    sets = _minimal_masks(layers, max_size=max_failures)
     curve = []
     for k in range(1, max_failures + 1):
         r = _recovery_from_sets([s for s in sets if s.bit_count() <= k], n, k, 0,
@@ -79,6 +109,69 @@ def recovery_curve(layers: Sequence[Placement], max_failures: int,
             break
         curve.append(r)
     return curve
+
+
+def fatal_counts(masks: Iterable[int], n: int, max_failures: int,
+                 budget: int = _INCLUSION_EXCLUSION_BUDGET) -> list[int]:
+    """How many k-node failure sets are fatal, for k = 1..max_failures, counted exactly.
+
+    ``masks`` are node sets (bitmasks), one per (layer, expert). On up to ``BITMAP_NODES``
+    nodes every failure set is a bit of one integer, so the count is exact and cheap;
+    beyond, inclusion-exclusion stops before the first k it cannot finish within ``budget``
+    set unions, and the list is shorter.
+    """
+    max_failures = min(max_failures, n)
+    if n <= BITMAP_NODES:
+        table = _SupersetTable.of(n)
+        fatal = 0
+        for m in set(masks):
+            fatal |= table.supersets(m)
+        return [(fatal & table.of_size[k]).bit_count() for k in range(1, max_failures + 1)]
+    sets = minimal_sets(masks, max_size=max_failures)
+    counts = []
+    for k in range(1, max_failures + 1):
+        histogram = _union_histogram([s for s in sets if s.bit_count() <= k], k, budget)
+        if histogram is None:
+            break
+        counts.append(sum(sign * math.comb(n - u, k - u) for u, sign in histogram.items()))
+    return counts
+
+
+# Up to this many nodes a set of failure sets is one integer of 2^n bits (4096 for 12).
+BITMAP_NODES = 12
+
+
+class _SupersetTable:
+    """For n nodes: each node set's supersets as a bitmap over all 2^n failure sets."""
+
+    _cache: dict[int, "_SupersetTable"] = {}
+
+    def __init__(self, n: int):
+        self.n = n
+        self.of_size = [0] * (n + 1)
+        for f in range(1 << n):
+            self.of_size[f.bit_count()] |= 1 << f
+        self._supersets: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, n: int) -> "_SupersetTable":
+        if n not in cls._cache:
+            cls._cache[n] = cls(n)
+        return cls._cache[n]
+
+    def supersets(self, mask: int) -> int:
+        bits = self._supersets.get(mask)
+        if bits is None:
+            # Supersets of mask = mask | every subset of its complement.
+            rest = ((1 << self.n) - 1) & ~mask
+            bits, sub = 0, rest
+            while True:
+                bits |= 1 << (mask | sub)
+                if not sub:
+                    break
+                sub = (sub - 1) & rest
+            self._supersets[mask] = bits
+        return bits
 
 
 def recovery_table(layers: Sequence[Placement], max_failures: int) -> dict[str, float]:
@@ -148,7 +241,7 @@ def _monte_carlo(sets: list[int], n: int, k: int, seed: int) -> Recovery:
 
 def zone_survival(layers: Sequence[Placement], zone_of: Sequence[str]) -> dict[str, bool]:
     """For each zone: does every expert keep a replica when the whole zone is lost?"""
-    sets = minimal_sets(expert_node_sets(layers))
+    sets = _minimal_masks(layers)
     result = {}
     for zone in sorted(set(zone_of)):
         zone_mask = sum(1 << i for i, z in enumerate(zone_of) if z == zone)

@@ -4,18 +4,48 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .allocation import allocate_replicas
+from .anchors import anchors_of, nodes_of
 from .migration import Migration, map_nodes_optimal, plan_transfers
-from .mro import mro
+from .mro import largest_core, mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
-from .recovery import recovery_table
+from .recovery import masks_of, recovery_table
 from .topology import NodeSpec, check_nodes, failure_domain_order
 
 DEFAULT_MAX_FAILURES = 5
 
+# Sizes the solver is built and measured for (benchmarks/bench_solver.py plans 4,096 GPUs,
+# 512 nodes x 32 slots x 61 layers, in well under a second); past them a plan takes minutes
+# or more memory than a controller has, so they are refused up front.
+LIMITS = {"nodes": 4096, "slots": 1024, "experts": 1024, "layers": 512}
+# Slots over all nodes and layers: twice the 4,096-GPU plan.
+MAX_SLOT_ENTRIES = 1 << 21
+
+
+def check_size(nodes: int, slots: int, experts: int, layers: int,
+               names: dict[str, str] | None = None) -> None:
+    """Refuse sizes beyond ``LIMITS`` with one message that names the field and the limit.
+
+    ``slots`` is the most expert slots of any node; ``names`` maps the fields (nodes,
+    slots, experts, layers) to what the caller calls them (a CLI flag, a spec field).
+    """
+    names = {**{k: k for k in LIMITS}, **(names or {})}
+    given = {"nodes": nodes, "slots": slots, "experts": experts, "layers": layers}
+    for field, limit in LIMITS.items():
+        if given[field] > limit:
+            raise ValueError(f"{names[field]}: at most {limit:,} (the most the solver is "
+                             f"built for), got {given[field]:,}")
+    if nodes * slots * layers > MAX_SLOT_ENTRIES:
+        raise ValueError(f"{names['nodes']} x {names['slots']} x {names['layers']}: at most "
+                         f"{MAX_SLOT_ENTRIES:,} expert slots over all nodes and layers (the "
+                         f"most the solver is built for), got {nodes * slots * layers:,}")
+
 
 def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int]) -> list[Placement]:
+    """Placements for replica counts as given (MRO may trade a few; see ``layout``)."""
     if policy == "mro":
         return mro(layers, slots)
     if policy == "spread":
@@ -47,15 +77,27 @@ def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas:
 def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
            policy: str, loads: Sequence[Sequence[float]] | None):
     """Node order, replicas per layer and placements: a plan before it has node identities."""
+    ordered, replicas = _positions(nodes, experts, layers, min_replicas, loads)
+    slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
+    if policy != "mro":
+        return ordered, replicas, place(policy, replicas, slots)
+    anchors = structure(replicas, slots, loads, gpus)
+    weights = loads if loads is not None else [[1.0] * experts] * layers
+    return ordered, [list(a.replicas) for a in anchors], place_anchored(anchors, slots, weights,
+                                                                      gpus, None)
+
+
+def _positions(nodes, experts, layers, min_replicas, loads):
+    """Node order and the replicas per layer that the allocation formula gives."""
     if experts < 1:
         raise ValueError(f"experts: must be >= 1, got {experts}")
     if layers < 1:
         raise ValueError(f"layers: must be >= 1, got {layers}")
     check_nodes(list(nodes))
+    check_size(len(nodes), max(n.slots for n in nodes), experts, layers)
     ordered = failure_domain_order(list(nodes))
-    slots = [n.slots for n in ordered]
-    replicas = allocate_layers(loads, layers, experts, sum(slots), min_replicas)
-    return ordered, replicas, place(policy, replicas, slots)
+    return ordered, allocate_layers(loads, layers, experts, sum(n.slots for n in ordered),
+                                    min_replicas)
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
@@ -78,6 +120,30 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
     ))
 
 
+def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
+    """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
+    ``ordered``, or 0 when a node of that core is gone."""
+    anchors = anchors_of([layer.placement for layer in old.layers],
+                         [layer.replicas for layer in old.layers], largest_core(len(ordered)))
+    position = {n.name: q for q, n in enumerate(ordered)}
+    translate = {0: 0}
+    for core in {c for a in anchors for c in a.cores} - {0}:
+        names = [old.nodes[i].name for i in nodes_of(core)]
+        translate[core] = (sum(1 << position[name] for name in names)
+                           if all(name in position for name in names) else 0)
+    return [[translate[c] for c in a.cores] for a in anchors]
+
+
+def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> list[np.ndarray]:
+    """Per layer, [position, expert]: replicas the node now at each position already holds."""
+    index = {n.name: i for i, n in enumerate(old.nodes)}
+    rows = [index.get(n.name, -1) if n.name in sources else -1 for n in ordered]
+    held = np.array([i >= 0 for i in rows])[:, None]
+    take = np.maximum(rows, 0)
+    return [np.where(held, layer.counts[take], 0)
+            for layer in old.layers]
+
+
 @dataclass(frozen=True)
 class Replan:
     plan: Plan
@@ -91,11 +157,23 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
 
     ``sources`` are the old plan's nodes that can still send expert state.
     """
-    positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
-                                             old.min_replicas, old.policy, loads)
-    mapping = map_nodes_optimal(old, list(nodes), positions, placements)
-    # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
-    ordered = [nodes[i] for i in mapping]
+    if old.policy != "mro":
+        positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
+                                                 old.min_replicas, old.policy, loads)
+        mapping = map_nodes_optimal(old, list(nodes), positions, placements)
+        # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
+        ordered = [nodes[i] for i in mapping]
+    else:
+        # MRO works on the nodes themselves: the cores that survived keep their experts.
+        ordered, replicas = _positions(nodes, old.experts, len(old.layers), old.min_replicas,
+                                       loads)
+        slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
+        references = _references(old, ordered, sources)
+        holders = [masks_of(ref.T > 0) for ref in references]
+        anchors = structure(replicas, slots, loads, gpus, surviving_cores(old, ordered), holders)
+        replicas = [list(a.replicas) for a in anchors]
+        weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
+        placements = place_anchored(anchors, slots, weights, gpus, references)
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
                       old.policy, old.generation + 1, reason, max_failures)
     return Replan(plan, plan_transfers(old, plan, sources))

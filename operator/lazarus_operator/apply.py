@@ -7,6 +7,7 @@ retried, or run again by an operator that restarted half-way, does no harm.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 # target (maxNodes 10000 and no replicas) adds pods as they start running, not 10,000 in one
 # pass. Pending pods are what a cluster autoscaler provisions nodes for, so some must exist.
 MAX_STARTING_PODS = 100
+# How long a published plan stands before its pods get its generation annotation.
+ANNOTATE_AFTER_S = 2.0
 
 
 @dataclass
@@ -49,6 +52,14 @@ class JobRecord:
     plan_version: str | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
     published: int = 0
+    # Failed worker pods (uids) already told to the controller, so each counts once.
+    failures_seen: set[str] = field(default_factory=set)
+
+    def new_failures(self, obs: Observation) -> list[core.WorkerFailed]:
+        fresh = [(uid, node, why) for uid, node, why in obs.failed
+                 if uid not in self.failures_seen]
+        self.failures_seen.update(uid for uid, _, _ in fresh)
+        return [core.WorkerFailed(node, why) for _, node, why in fresh]
 
 
 class Applier:
@@ -85,6 +96,12 @@ class Applier:
                 self.event(body, d.reason, d.message, "Warning",
                            f"g{generation}.{d.reason.lower()}")
         self._report_measured(body, before, state)
+        self._report_checkpoint_health(body, before, state)
+        if state.start_failures > before.start_failures:
+            self.event(body, "WorkerStartFailed",
+                       f"a worker failed before completing a step ({state.start_error}); "
+                       f"the next one starts after a backoff", "Warning",
+                       f"start-failed.{state.start_failures}")
         if not state.finished:  # a finished job's pods stay, with their logs
             delete_pods(self.core, self._batch, obs.doomed, namespace)
         self._right_size(record, body, spec, state, obs)
@@ -141,10 +158,13 @@ class Applier:
                    d.message, "Normal", f"g{plan.generation}.published")
         # The ConfigMap is the plan; the pod annotation lets `kubectl get pods` show which
         # generation each worker was last told about. It is informational, so it fans out
-        # in the background: hundreds of pod patches must not delay the next re-plan.
+        # in the background, and only once the plan has stood for ANNOTATE_AFTER_S: a
+        # thousand pod patches cost seconds of this process's CPU, and during a reclaim
+        # they held back the watch events and the re-plan of the nodes lost next.
         record.published = plan.generation
         patch = {"metadata": {"annotations": {
             builders.GENERATION_ANNOTATION: str(plan.generation)}}}
+        pods = [obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on]
 
         def annotate(pod: str) -> None:
             if record.published != plan.generation:
@@ -154,8 +174,14 @@ class Applier:
             except ApiException as e:
                 log.warning("could not annotate %s/%s: %s", namespace, pod, e.reason)
 
-        for pod in (obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on):
-            self._background.submit(annotate, pod)
+        def fan_out() -> None:
+            if record.published == plan.generation:
+                for pod in pods:
+                    self._background.submit(annotate, pod)
+
+        timer = threading.Timer(ANNOTATE_AFTER_S, fan_out)
+        timer.daemon = True
+        timer.start()
 
     def _report_measured(self, body: dict, before: core.JobState,
                          state: core.JobState) -> None:
@@ -173,6 +199,27 @@ class Applier:
                        f"every replica; the workers restored the checkpoint of step "
                        f"{state.restored_step}", "Warning", f"g{g}.restore")
 
+    def _report_checkpoint_health(self, body: dict, before: core.JobState,
+                                  state: core.JobState) -> None:
+        """A metric for every checkpoint the workers skipped, and an Event when checkpoints
+        start failing and when they are written again."""
+        labels = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if state.spec.checkpoint is None:
+            return
+        metrics.CHECKPOINT_HEALTHY.labels(*labels).set(state.checkpoint_error is None)
+        skipped = state.checkpoint_failures - before.checkpoint_failures
+        if skipped > 0:
+            metrics.CHECKPOINT_WRITE_FAILURES.labels(*labels).inc(skipped)
+        if state.checkpoint_error is not None and before.checkpoint_error is None:
+            self.event(body, "CheckpointWriteFailed",
+                       f"{state.checkpoint_error}; training goes on", "Warning",
+                       f"checkpoint-failed.{state.checkpoint_failures}")
+        elif state.checkpoint_error is None and before.checkpoint_error is not None:
+            self.event(body, "CheckpointWritten",
+                       f"checkpoints are written again (step {state.checkpoint_step}) after "
+                       f"{state.checkpoint_failures} were skipped", "Normal",
+                       f"checkpoint-healed.{state.checkpoint_failures}")
+
     def _right_size(self, record: JobRecord, body: dict, spec: JobSpec, state: core.JobState,
                     obs: Observation) -> None:
         """Create the workers the target still lacks; drop starting ones beyond it."""
@@ -180,11 +227,12 @@ class Applier:
         if state.finished:  # nothing will train on the pods still starting
             delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
             return
-        missing = min(state.missing_workers(len(obs.starting)),
+        missing = min(state.missing_workers(len(obs.starting), self.clock()),
                       max(0, MAX_STARTING_PODS - len(obs.starting)))
         generation = state.plan.generation if state.plan else 0
         free = (i for i in range(10**6)
                 if i not in obs.used_indices and i not in record.foreign_indices)
+        uid = body["metadata"]["uid"]
 
         def create(pod: dict) -> bool:
             try:
@@ -201,7 +249,8 @@ class Applier:
         created, batch = 0, 1
         while created < missing:
             pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
-                                              record.key_secret, self.coordinator_port)
+                                              record.key_secret, self.coordinator_port,
+                                              job_uid=uid)
                     for _ in range(min(batch, missing - created))]
             done = list(self._batch.map(create, pods))
             created += sum(done)
@@ -277,7 +326,8 @@ class Applier:
         create_owned(body, self.core.create_namespaced_pod, self.core.read_namespaced_pod,
                      builders.build_coordinator_pod(name, namespace, spec, record.key_secret,
                                                     coordinator.next_index,
-                                                    self.coordinator_port))
+                                                    self.coordinator_port,
+                                                    job_uid=body["metadata"]["uid"]))
         if coordinator.next_index > 0:
             metrics.COORDINATOR_REPLACEMENTS.labels(namespace, name).inc()
             self.event(body, "CoordinatorReplaced",

@@ -95,13 +95,15 @@ def _labels(job: str, role: str, template: Mapping) -> dict[str, str]:
 
 
 def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int, generation: int,
-                     key_secret: str, coordinator_port: int = COORDINATOR_PORT) -> dict:
+                     key_secret: str, coordinator_port: int = COORDINATOR_PORT, *,
+                     job_uid: str) -> dict:
     """Worker pod ``index`` of ``job``: one per node, carrying where to find the coordinator
     and, from the Secret ``key_secret``, the job's key."""
     t: Mapping = spec.template
     name = worker_name(job, index)
     coordinator = f"{coordinator_name(job)}.{namespace}.svc:{coordinator_port}"
-    env = [{"name": k, "value": v} for k, v in (penv.worker_env(spec, job, coordinator) | {
+    env = [{"name": k, "value": v} for k, v in (penv.worker_env(
+        spec, job, coordinator, job_uid=job_uid) | {
         penv.NAMESPACE: namespace, penv.PLAN_CONFIGMAP: plan_configmap_name(job),
         penv.WORKERS_SERVICE: service_name(job), penv.GPUS_PER_NODE: str(spec.gpus_per_node),
     }).items()]
@@ -115,6 +117,9 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int, genera
         "image": t.get("image", DEFAULT_IMAGE),
         "command": list(t.get("command", DEFAULT_COMMAND)),
         "env": env,
+        **_credentials(spec),
+        # A worker that fails says why in its last lines; the operator reports them.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "rendezvous", "containerPort": WORKER_PORT}],
         "resources": _quantities(t.get("resources", {})),
         "securityContext": dict(_CONTAINER_SECURITY),
@@ -179,8 +184,17 @@ def _quantities(resources: Mapping) -> dict:
             for kind, amounts in resources.items()}
 
 
+def _credentials(spec: JobSpec) -> dict:
+    """The checkpoint storage's credentials: every key of the Secret the spec names becomes
+    an environment variable (AWS_ACCESS_KEY_ID, ...), so none is ever in the manifest. (The
+    job's key is set by name, which takes precedence over anything from envFrom.)"""
+    secret = spec.checkpoint.secret_name if spec.checkpoint else None
+    return {"envFrom": [{"secretRef": {"name": secret}}]} if secret else {}
+
+
 def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: str,
-                          index: int = 0, port: int = COORDINATOR_PORT) -> dict:
+                          index: int = 0, port: int = COORDINATOR_PORT, *,
+                          job_uid: str) -> dict:
     """The job's coordinator: one small CPU pod that outlives worker losses. It asks for no
     GPU, tolerates none of the GPU or spot taints the workers tolerate, and requires a node
     that no cloud labels as spot, so it lands on the cluster's regular (on-demand) capacity;
@@ -192,8 +206,8 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: s
     placement: Mapping = spec.coordinator
     name = coordinator_pod_name(job, index)
     env = [{"name": k, "value": v} for k, v in penv.coordinator_env(
-        job, namespace, plan_configmap_name(job), state_configmap_name(job), port,
-        spec.steps).items()]
+        job, namespace, plan_configmap_name(job), state_configmap_name(job), port, spec,
+        job_uid).items()]
     env.append(_key_env(key_secret))
     ours = {e["name"] for e in env}
     env += [e for e in t.get("env", []) if e.get("name") not in ours]
@@ -202,6 +216,8 @@ def build_coordinator_pod(job: str, namespace: str, spec: JobSpec, key_secret: s
         "image": t.get("image", DEFAULT_IMAGE),
         "command": list(COORDINATOR_COMMAND),
         "env": env,
+        **_credentials(spec),  # it reads the checkpoints to choose the one to restore
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "rendezvous", "containerPort": port}],
         "resources": _quantities(placement.get("resources") or COORDINATOR_RESOURCES),
         "securityContext": dict(_CONTAINER_SECURITY),

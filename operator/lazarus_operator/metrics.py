@@ -31,6 +31,13 @@ CHECKPOINT_RESTORES = Counter(
 COORDINATOR_REPLACEMENTS = Counter(
     "lazarus_coordinator_replacements_total",
     "Coordinator pods started because the one before died (its process, pod or node)", _JOB)
+CHECKPOINT_WRITE_FAILURES = Counter(
+    "lazarus_checkpoint_write_failures_total",
+    "Checkpoints skipped because storage refused a write after every retry (training went "
+    "on)", _JOB)
+CHECKPOINT_HEALTHY = Gauge(
+    "lazarus_checkpoint_healthy",
+    "1 when the latest checkpoint was written, 0 when it was skipped for a storage fault", _JOB)
 PLAN_GENERATION = Gauge("lazarus_plan_generation", "Latest published plan generation", _JOB)
 READY_NODES = Gauge("lazarus_ready_nodes", "Nodes of the current plan with a live worker", _JOB)
 
@@ -39,7 +46,8 @@ def forget(namespace: str, job: str) -> None:
     """Drop a deleted job's series so they do not linger at their last value."""
     for metric in (RECOVERY_PROBABILITY, LOWEST_REPLICAS, PLAN_GENERATION, READY_NODES,
                    RECONFIGURATIONS, RECONFIGURATION_SECONDS, EXPERTS_MIGRATED, SOLVER_SECONDS,
-                   CHECKPOINT_RESTORES, COORDINATOR_REPLACEMENTS):
+                   CHECKPOINT_RESTORES, COORDINATOR_REPLACEMENTS, CHECKPOINT_WRITE_FAILURES,
+                   CHECKPOINT_HEALTHY):
         for labels in list(metric._metrics):  # prometheus-client has no public lookup
             if labels[:2] == (namespace, job):
                 metric.remove(*labels)

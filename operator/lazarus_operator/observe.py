@@ -60,6 +60,8 @@ class Observation:
     # Pods to delete: finished or failed, or stranded on a node that is gone or NotReady.
     # (name, force): force for pods no kubelet will ever confirm deleting.
     doomed: list[tuple[str, bool]] = field(default_factory=list)
+    # Pods whose worker exited with an error: (pod uid, node, what it said last).
+    failed: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
@@ -85,6 +87,10 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
         node_name = spec.get("nodeName")
         if phase in ("Failed", "Succeeded"):  # evicted pods are Failed with reason Evicted
             out.doomed.append((meta["name"], False))
+            if phase == "Failed" and status.get("reason") != "Evicted" \
+                    and not _disruption_target(status):
+                out.failed.append((meta.get("uid", meta["name"]), node_name or "",
+                                   _failure_message(status)))
             continue
         if not node_name:
             out.starting.append(meta["name"])
@@ -163,6 +169,16 @@ def pod_fingerprint(pod: Mapping) -> tuple:
         _disruption_target(status),
         (meta.get("labels") or {}).get(INDEX_LABEL),
     )
+
+
+def _failure_message(status: Mapping) -> str:
+    """A failed worker's exit code and its last words (the termination message's last line:
+    FallbackToLogsOnError puts its log's tail there)."""
+    statuses = status.get("containerStatuses") or [{}]
+    ended = (statuses[0].get("state") or {}).get("terminated") or {}
+    lines = [line for line in (ended.get("message") or "").splitlines() if line.strip()]
+    said = lines[-1].strip()[:500] if lines else ended.get("reason") or "no message"
+    return f"exit code {ended.get('exitCode', '?')}: {said}"
 
 
 def _disruption_target(status: Mapping) -> bool:

@@ -155,7 +155,9 @@ class Reconciler:
 
         if fresh and state.plan is not None:
             self.applier.record_publication(body, state.plan)
-        events: list[core.Event] = core.observe(state, obs.live, obs.noticed)
+        # Failures first: whether the worker had trained decides what its node's loss means.
+        events: list[core.Event] = [*record.new_failures(obs),
+                                    *core.observe(state, obs.live, obs.noticed)]
         if fresh or spec != state.spec:
             events.append(core.SpecChanged(spec))
         if progress is not None and _newer(progress, state):

@@ -12,9 +12,9 @@
       elastic_restart: {checkpoint_every: 250}
 
 Trace kinds: ``mtbf`` (mtbf_s, replace_s, notice_s, zones), ``availability`` (path or a
-shipped name, start_s, scale_to, notice_s), ``events`` (path or a shipped name), ``zones``
-(zones, nodes_per_zone, node_mtbf_s, zone_mtbf_s, outage_s, replace_s, notice_s). All take
-duration_s (0 for availability and events: to the end of the file).
+shipped name, start_s, scale_to, notice_s), ``events`` (path or a shipped name, start_s),
+``zones`` (zones, nodes_per_zone, node_mtbf_s, zone_mtbf_s, outage_s, replace_s, notice_s).
+All take duration_s (0 for availability and events: to the end of the file).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from lazarus_core.loads import parse_loads
 from .settings import checked, mapping, override
 from .strategies import STRATEGIES
 from .trace import (Trace, exponential, from_availability, read_availability, read_events,
-                    zone_correlated)
+                    window, zone_correlated)
 from .workload import PRESETS, Costs, ModelSpec
 
 # Skew that reproduces the paper's no-failure GPT-M result (45 vs 34 samples/s): the hottest
@@ -40,7 +40,7 @@ _TRACE_FIELDS = {
              "duration_s": 4800.0},
     "availability": {"path": "aws-g4dn", "start_s": 0.0, "scale_to": 0, "notice_s": 0.0,
                      "duration_s": 0.0},
-    "events": {"path": "synthetic-spot", "duration_s": 0.0},
+    "events": {"path": "synthetic-spot", "start_s": 0.0, "duration_s": 0.0},
     "zones": {"zones": 2, "nodes_per_zone": 5, "node_mtbf_s": 1800.0, "zone_mtbf_s": 3600.0,
               "outage_s": 600.0, "replace_s": 120.0, "notice_s": 0.0, "duration_s": 4800.0},
 }
@@ -163,11 +163,12 @@ def build_trace(spec: dict, nodes: int, seed: int) -> Trace:
                            spec["notice_s"], spec["zones"])
     if kind == "availability":
         rows, label = read_availability(spec["path"])
-        window = f", from {spec['start_s']:g} s" if spec["start_s"] else ""
-        return from_availability(rows, f"{label}{window}, seed {seed}", seed, spec["start_s"],
+        since = f", from {spec['start_s']:g} s" if spec["start_s"] else ""
+        return from_availability(rows, f"{label}{since}, seed {seed}", seed, spec["start_s"],
                                  duration, spec["scale_to"] or None, spec["notice_s"])
     if kind == "events":
-        return read_events(spec["path"], duration)
+        trace = read_events(spec["path"])
+        return window(trace, spec["start_s"], duration) if spec["start_s"] or duration else trace
     return zone_correlated(spec["zones"], spec["nodes_per_zone"], spec["node_mtbf_s"],
                            spec["zone_mtbf_s"], spec["outage_s"], spec["replace_s"],
                            spec["duration_s"], seed, spec["notice_s"])

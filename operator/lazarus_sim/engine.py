@@ -47,17 +47,24 @@ class Job(ABC):
     """What every strategy shares: the clock, the ledger, checkpoints and rollbacks.
 
     A strategy sets ``members`` (the nodes training now; empty means waiting) and implements
-    ``start``, ``react`` and ``step_seconds``; it may add its own step boundaries.
+    ``start``, ``react`` and ``step_seconds``; it may add its own step boundaries. No
+    strategy runs a model that does not fit its nodes (``fits``), nor on more than
+    ``world_size`` nodes.
     """
 
     name = ""
 
-    def __init__(self, model: ModelSpec, costs: Costs, checkpoint_every: int, node: NodeSpec):
+    def __init__(self, model: ModelSpec, costs: Costs, checkpoint_every: int, node: NodeSpec,
+                 world_size: int):
         if checkpoint_every < 1:
             raise ValueError(f"strategies.{self.name}.checkpoint_every: must be >= 1, "
                              f"got {checkpoint_every}")
+        if world_size < 1:
+            raise ValueError(f"cluster.nodes: must be >= 1, got {world_size}")
         self.model, self.costs, self.checkpoint_every = model, costs, checkpoint_every
         self.node_template = node  # gpus and slots of every node the trace brings
+        # The job's size (cluster.nodes): no strategy runs on more nodes than this.
+        self.world_size = world_size
         self.t = 0.0
         self.busy: _Busy | None = None
         self.partial = 0.0  # seconds into the step in flight
@@ -100,19 +107,20 @@ class Job(ABC):
     def world(self) -> int:
         return sum(n.gpus for n in self.members)
 
+    def fits(self, nodes: list[NodeSpec]) -> bool:
+        """Can these nodes hold the model at all: one slot for every expert."""
+        return sum(n.slots for n in nodes) >= self.model.experts
+
     def run(self, trace: Trace) -> Result:
-        groups = groupby(trace.events, key=lambda e: e.time)
-        for time, batch in groups:
+        # The job starts at 0 with whatever the trace has then, even nothing (a window of a
+        # spot trace can open with no instance): a strategy that cannot run yet waits.
+        for e in trace.initial_nodes():
+            self.alive[e.node] = self._node(e.node, e.zone)
+        self.start(list(self.alive.values()))
+        later = (e for e in trace.events if not (e.time == 0 and e.kind == "join"))
+        for time, batch in groupby(later, key=lambda e: e.time):
             self.advance(time)
-            batch = list(batch)
-            if time == 0:
-                for e in batch:
-                    if e.kind == "join":
-                        self.alive[e.node] = self._node(e.node, e.zone)
-                self.start(list(self.alive.values()))
-                batch = [e for e in batch if e.kind != "join"]
-            if batch:
-                self.handle(batch)
+            self.handle(list(batch))
         self.advance(trace.duration)
         assert abs(sum(self.seconds.values()) - trace.duration) < 1e-6 * max(1.0, trace.duration)
         return Result(self.name, trace.label, trace.duration, self.samples, self.step,

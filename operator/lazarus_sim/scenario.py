@@ -15,10 +15,10 @@ def make_job(name: str, cfg: SimConfig) -> Job:
     node = NodeSpec("template", c["gpus_per_node"], c["slots_per_gpu"], capacity_type="spot")
     s = cfg.strategies[name]
     if name == "lazarus":
-        return Lazarus(cfg.model, cfg.costs, s["checkpoint_every"], node, cfg.loads,
+        return Lazarus(cfg.model, cfg.costs, s["checkpoint_every"], node, c["nodes"], cfg.loads,
                        c["min_replicas"], c["policy"], s["rebalance_every"], s["use_notices"])
     cls = CheckpointRestart if name == "checkpoint_restart" else ElasticRestart
-    return cls(cfg.model, cfg.costs, s["checkpoint_every"], node, cfg.loads)
+    return cls(cfg.model, cfg.costs, s["checkpoint_every"], node, c["nodes"], cfg.loads)
 
 
 def run(cfg: SimConfig, tick: Callable[[], None] = lambda: None) -> dict[str, list[Result]]:
@@ -54,5 +54,12 @@ def summarise(results: dict[str, list[Result]]) -> dict[str, Summary]:
 
 
 def ratio(summaries: dict[str, Summary], name: str, baseline: str) -> float:
-    base = summaries[baseline].samples
-    return summaries[name].samples / base if base else float("inf")
+    """Samples of ``name`` over the baseline's: inf when only the baseline trained nothing,
+    nan when neither did (``table.times`` prints both)."""
+    return samples_ratio(summaries[name].samples, summaries[baseline].samples)
+
+
+def samples_ratio(ours: float, base: float) -> float:
+    if base:
+        return ours / base
+    return float("inf") if ours else float("nan")

@@ -3,10 +3,14 @@
 - ``Lazarus``: re-plan in place with the real solver (``solver.replan``); the cost is a fixed
   rebuild plus the migration plan's busiest link. Only when some expert lost every replica
   does it restore a checkpoint. Optionally it acts on spot notices before the loss.
-- ``CheckpointRestart`` (DeepSpeed-like): needs its full world size; on a loss it rolls back,
-  waits until enough nodes are up again, and restarts every process.
+- ``CheckpointRestart`` (DeepSpeed-like): runs only on its full world (``world_size``
+  nodes, the job's size); on a loss it rolls back, waits until that many nodes are up
+  again, and restarts every process.
 - ``ElasticRestart`` (DS(FT)-like): on a loss it rolls back and restarts at once on the
   survivors; it grows into new nodes at its next checkpoint.
+
+None of them runs a model that does not fit its nodes (``Job.fits``: a slot for every
+expert) or on more than ``world_size`` nodes; until they can, they wait.
 """
 from __future__ import annotations
 
@@ -25,6 +29,12 @@ STRATEGIES = ("lazarus", "checkpoint_restart", "elastic_restart")
 TITLES = {"lazarus": "Lazarus", "checkpoint_restart": "DeepSpeed", "elastic_restart": "DS(FT)"}
 
 
+def first_nodes(nodes: Sequence[NodeSpec], count: int, keep: set[str] = frozenset()
+                ) -> list[NodeSpec]:
+    """``count`` of ``nodes`` at most: those named in ``keep`` first, then by name."""
+    return sorted(nodes, key=lambda n: (n.name not in keep, n.name))[:count]
+
+
 def feasible_min_replicas(f: int, nodes: Sequence[NodeSpec], experts: int) -> int:
     """f, lowered as far as 1 while there are too few slots for f replicas of each expert.
 
@@ -37,8 +47,8 @@ class _ExpertParallel(Job):
     """Standard expert parallelism: step time set by the most popular expert."""
 
     def __init__(self, model: ModelSpec, costs: Costs, checkpoint_every: int, node: NodeSpec,
-                 loads: Sequence[Sequence[float]]):
-        super().__init__(model, costs, checkpoint_every, node)
+                 world_size: int, loads: Sequence[Sequence[float]]):
+        super().__init__(model, costs, checkpoint_every, node, world_size)
         self._step_s = step_seconds(model, expert_parallel_imbalance(loads))
 
     def step_seconds(self) -> float:
@@ -54,48 +64,59 @@ class CheckpointRestart(_ExpertParallel):
     name = "checkpoint_restart"
 
     def start(self, nodes: list[NodeSpec]) -> None:
-        self.world_size = len(nodes)  # the fixed expert-parallel layout needs all of them
-        self.members = nodes
+        # Starting is free, as for the others; a later launch is a restart.
+        self.members = self._world(nodes)
+
+    def _world(self, nodes: list[NodeSpec]) -> list[NodeSpec]:
+        """Its fixed expert-parallel layout: exactly world_size nodes that hold the model."""
+        world = first_nodes(nodes, self.world_size)
+        return world if len(world) == self.world_size and self.fits(world) else []
 
     def react(self, lost, joined, noticed) -> None:
         if any(n.name in lost for n in self.members):
             self.counts["failures"] += 1
             self.rollback()
             self.members = []
-        if not self.members and len(self.alive) >= self.world_size:
-            self.restart(sorted(self.alive.values(), key=lambda n: n.name)[:self.world_size])
+        if not self.members and not self.busy:
+            world = self._world(list(self.alive.values()))
+            if world:
+                self.restart(world)
 
 
 class ElasticRestart(_ExpertParallel):
     name = "elastic_restart"
 
     def start(self, nodes: list[NodeSpec]) -> None:
-        self.members = nodes if self._fits(nodes) else []
+        self.members = self._world(nodes)
 
-    def _fits(self, nodes: list[NodeSpec]) -> bool:
-        return sum(n.slots for n in nodes) >= self.model.experts
+    def _world(self, nodes: list[NodeSpec]) -> list[NodeSpec]:
+        world = first_nodes(nodes, self.world_size, {n.name for n in self.members})
+        return world if self.fits(world) else []
 
     def react(self, lost, joined, noticed) -> None:
         if any(n.name in lost for n in self.members):
             self.counts["failures"] += 1
             self.rollback()
             self.members = []
-        if not self.members and self._fits(list(self.alive.values())):
-            self.restart(list(self.alive.values()))
+        if not self.members and not self.busy:
+            world = self._world(list(self.alive.values()))
+            if world:
+                self.restart(world)
 
     def after_checkpoint(self) -> None:
         # Growing is a restart too, but right after a checkpoint it loses no steps.
-        if len(self.alive) > len(self.members):
-            self.restart(list(self.alive.values()))
+        world = self._world(list(self.alive.values()))
+        if len(world) > len(self.members):
+            self.restart(world)
 
 
 class Lazarus(Job):
     name = "lazarus"
 
     def __init__(self, model: ModelSpec, costs: Costs, checkpoint_every: int, node: NodeSpec,
-                 loads: Sequence[Sequence[float]], min_replicas: int = 2, policy: str = "mro",
-                 rebalance_every: int = 200, use_notices: bool = False):
-        super().__init__(model, costs, checkpoint_every, node)
+                 world_size: int, loads: Sequence[Sequence[float]], min_replicas: int = 2,
+                 policy: str = "mro", rebalance_every: int = 200, use_notices: bool = False):
+        super().__init__(model, costs, checkpoint_every, node, world_size)
         if rebalance_every < 1:
             raise ValueError(f"strategies.lazarus.rebalance_every: must be >= 1, "
                              f"got {rebalance_every}")
@@ -124,6 +145,7 @@ class Lazarus(Job):
     # --- events -----------------------------------------------------------------------
 
     def start(self, nodes: list[NodeSpec]) -> None:
+        nodes = first_nodes(nodes, self.world_size)
         f = self._min_replicas(nodes)
         if f:
             self.plan = plan_job(nodes, self.model.experts, self.model.layers, f, self.policy,
@@ -163,9 +185,12 @@ class Lazarus(Job):
     def reconfigure(self, reason: str) -> None:
         """Re-plan onto every live node not under notice; migrate, or restore if we must."""
         self.pending = None
-        nodes = [n for n in self.alive.values() if n.name not in self.doomed]
+        held = self._names(self.plan)
+        nodes = first_nodes([n for n in self.alive.values() if n.name not in self.doomed],
+                            self.world_size, held)
         if not self._min_replicas(nodes):
-            nodes = list(self.alive.values())  # the doomed nodes are needed until they go
+            # the doomed nodes are needed until they go
+            nodes = first_nodes(list(self.alive.values()), self.world_size, held)
         f = self._min_replicas(nodes)
         if not f:
             self.members = []  # too few slots to hold the model: wait for nodes
@@ -222,7 +247,9 @@ class Lazarus(Job):
     # --- helpers ----------------------------------------------------------------------
 
     def _min_replicas(self, nodes: list[NodeSpec]) -> int:
-        return feasible_min_replicas(self.min_replicas, nodes, self.model.experts)
+        """f, lowered as far as 1 to fit; 0 when the model does not fit (then it waits)."""
+        return feasible_min_replicas(self.min_replicas, nodes, self.model.experts) if self.fits(
+            nodes) else 0
 
     def _plan_nodes(self, plan: Plan) -> list[NodeSpec]:
         return [self.alive[n.name] for n in plan.nodes if n.name in self.alive]

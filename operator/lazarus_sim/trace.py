@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,9 +157,9 @@ def from_availability(rows: list[tuple[float, int]], label: str, seed: int = 0,
                       scale_to: int | None = None, notice_s: float = 0.0) -> Trace:
     """Replay a spot availability series: drops lose random live nodes, rises add new ones.
 
-    ``scale_to`` maps the series' peak onto that many nodes (rounding), so a trace taken on
-    12 instances can drive a 10-node job. The window [start_s, start_s + duration_s) is
-    shifted to begin at 0.
+    ``scale_to`` maps the series' peak onto that many nodes (rounding half up), so a trace
+    taken on 12 instances can drive a 10-node job. The window [start_s, start_s +
+    duration_s) is shifted to begin at 0.
     """
     if not rows:
         raise ValueError(f"trace: {label} has no rows")
@@ -171,7 +172,9 @@ def from_availability(rows: list[tuple[float, int]], label: str, seed: int = 0,
         raise ValueError(f"trace.duration_s: the window after start_s={start_s:g} is empty")
 
     def scaled(c):
-        return c if scale_to is None else round(c * scale_to / peak)
+        # Half up (6 of 12 scaled to 5 is 2.5 -> 3), not Python's round-half-to-even,
+        # which would round 2.5 down and 3.5 up.
+        return c if scale_to is None else math.floor(c * scale_to / peak + 0.5)
 
     rng = np.random.default_rng(seed)
     at_start = scaled(_count_at(rows, start_s))
@@ -191,6 +194,32 @@ def from_availability(rows: list[tuple[float, int]], label: str, seed: int = 0,
             victim = alive.pop(int(rng.integers(len(alive))))
             events += _loss(when, victim, "", notice_s)
     return make_trace(label, events, duration_s)
+
+
+def window(trace: Trace, start_s: float, duration_s: float | None = None) -> Trace:
+    """The part of an events trace from ``start_s`` on, shifted to begin at 0: the nodes
+    alive at ``start_s`` join at 0, and one already under a spot notice gets it at 0."""
+    if not 0 <= start_s < trace.duration:
+        raise ValueError(f"trace.start_s: must be in [0, {trace.duration:g}), got {start_s:g}")
+    if duration_s is None:
+        duration_s = trace.duration - start_s
+    alive: dict[str, str] = {}
+    noticed: set[str] = set()
+    later = []
+    for e in trace.events:
+        if e.time >= start_s:
+            later.append(Event(e.time - start_s, e.kind, e.node, e.zone))
+        elif e.kind == "join":
+            alive[e.node] = e.zone
+        elif e.kind == "lose":
+            alive.pop(e.node, None)
+            noticed.discard(e.node)
+        else:
+            noticed.add(e.node)
+    first = [Event(0.0, "join", node, zone) for node, zone in alive.items()]
+    first += [Event(0.0, "notice", node, alive[node]) for node in sorted(noticed & set(alive))]
+    label = trace.label + (f", from {start_s:g} s" if start_s else "")
+    return make_trace(label, first + later, duration_s)
 
 
 def _count_at(rows: list[tuple[float, int]], t: float) -> int:

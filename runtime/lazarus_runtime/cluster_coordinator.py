@@ -38,6 +38,7 @@ from lazarus_core.cluster_contract import (read_plan_configmap, read_state_confi
 from lazarus_core.controller import STALLED, Progress
 from lazarus_core.plan import Plan, PlanError
 
+from .checkpoint import Checkpoints
 from .coordination import PreparedStep, StepCoordinator
 from .job_channel import JobChannel
 
@@ -184,15 +185,17 @@ class StateReporter:
 
 class ClusterCoordinator:
     def __init__(self, chan: JobChannel, plans: PlanFollower, state: StateReporter,
-                 total_steps: int | None = None, record: Progress | None = None):
-        """``record``: the durable record a predecessor left, None on the job's first."""
+                 total_steps: int | None = None, record: Progress | None = None,
+                 checkpoints: Checkpoints | None = None):
+        """``record``: the durable record a predecessor left, None on the job's first;
+        ``checkpoints``: the job's checkpoints, to choose the one to restore."""
         self.chan = chan
         self.total_steps = total_steps
         self.plans = plans
         self.state = state
         self.record = record
         # It runs as long as the job: only the last reconfigurations are kept in memory.
-        self.steps = StepCoordinator(chan, on_event=lambda line: emit("info", message=line),
+        self.steps = StepCoordinator(chan, lambda line: emit("info", message=line), checkpoints,
                                      keep_reconfigurations=16)
         self.pending: Published | None = None  # the newest plan, not published yet
         self.seen = 0
@@ -352,7 +355,9 @@ def main() -> int:
     store = _serve_store(env.port)
     coordinator = ClusterCoordinator(JobChannel(store, env.key, env.job),
                                      PlanFollower(core, env.namespace, env.plan_configmap).start(),
-                                     state.start(), env.steps, record)
+                                     state.start(), env.steps, record,
+                                     Checkpoints.open(env.checkpoint_path, env.job_uid)
+                                     if env.checkpoint_path else None)
     terminated = threading.Event()
 
     def on_sigterm(*_):

@@ -26,6 +26,7 @@ from lazarus_core.handover import Held, caught_up, held_under, plan_handover, re
 from lazarus_core.liveness import BEAT_S, Liveness
 from lazarus_core.plan import Plan
 
+from .checkpoint import Checkpoints
 from .job_channel import Directive, Hello, JobChannel, StepReport
 
 
@@ -92,9 +93,12 @@ KEEP_GENERATIONS = 2
 
 class StepCoordinator:
     def __init__(self, chan: JobChannel, on_event: Callable[[str], None] = lambda line: None,
-                 liveness: Liveness | None = None, keep_reconfigurations: int | None = None):
+                 checkpoints: Checkpoints | None = None, liveness: Liveness | None = None,
+                 keep_reconfigurations: int | None = None):
         self.chan = chan
         self.on_event = on_event
+        # The job's checkpoints, read to choose the one to restore (None: not configured).
+        self.checkpoints = checkpoints
         self.adopted: Plan | None = None
         # What the live workers hold, per node, as of the step each applied last: the
         # adopted plan's layout (with the incarnation of each member when it adopted it: a
@@ -235,8 +239,12 @@ class StepCoordinator:
         elif self.directive is not None:  # the step in flight is dropped: its keys go too
             self._steps.append((self.generation, self.committed + 1,
                                 self.directive.plan.world_size))
-        handover = plan_handover(self._held_by(alive), plan, self.committed,
-                                 self.chan.checkpoint(), self.roll_forward)
+        held = self._held_by(alive)
+        handover = plan_handover(held, plan, self.committed, self.chan.checkpoint(),
+                                 self.roll_forward)
+        if handover.restore_step is not None and self.checkpoints is not None:
+            handover = plan_handover(held, plan, self.committed, self._restorable(),
+                                     self.roll_forward)
         directive = Directive.of(plan, handover)
         if handover.restore_step is not None:
             restored = handover.restore_step
@@ -267,14 +275,30 @@ class StepCoordinator:
                          if handover.restore_step is not None else ""))
         return directive
 
+    def _restorable(self) -> int | None:
+        """The newest checkpoint whose every shard reads back whole: a corrupt or partial
+        newer one is skipped, so every worker loads the same good state. Storage trouble
+        falls back to the step the workers last recorded."""
+        try:
+            ck, skipped = self.checkpoints.newest_intact()
+        except Exception as e:  # noqa: BLE001 - an unreachable store must not stop the job
+            self.on_event(f"could not read the checkpoints ({e}); trying the one of step "
+                          f"{self.chan.checkpoint()}")
+            return self.chan.checkpoint()
+        for why in skipped:
+            self.on_event(f"checkpoint skipped: {why}")
+        return ck.step if ck is not None else None
+
     def progress(self, step: PreparedStep) -> Progress:
         """The controller's progress event for ``step``: with the loads and the newest
         checkpoint, what this coordinator did to bring the workers to its generation."""
         r = next(r for r in reversed(self.reconfigs) if r.generation == step.generation)
+        error, failures = self.chan.checkpoint_health()
         return Progress(step=step.step, generation=step.generation,
                         loads=step.reports[0].loads, checkpoint_step=self.chan.checkpoint(),
                         experts_migrated=r.experts_migrated, restored_step=r.restored_step,
-                        experts_lost=r.experts_lost, restores=self.restores)
+                        experts_lost=r.experts_lost, restores=self.restores,
+                        checkpoint_error=error, checkpoint_failures=failures)
 
     def _held_by(self, alive: set[str]) -> dict[str, Held]:
         """What the ``alive`` workers hold, less any that came back as a new process since

@@ -545,6 +545,28 @@ class JobChannel:
         shards = [self._json(f"ckpt/{generation}/{step}/{r}") for r in range(world_size)]
         return None if any(not isinstance(s, dict) for s in shards) else shards
 
+    def report_checkpoint(self, step: int, error: str | None) -> None:
+        """How the checkpoint of ``step`` went (rank 0, for all ranks): ``error`` says why
+        it was skipped, None that it was written. The count of skipped checkpoints rides in
+        the same signed value (a counter anyone could bump), carried on from the last one;
+        not kept alive by a guard: rank 0 changes across generations, and each checkpoint
+        writes it again."""
+        _, failures = self.checkpoint_health()
+        failures += error is not None
+        self._set("checkpoint_health",
+                  json.dumps({"step": step, "error": error, "failures": failures}), own=False)
+
+    def checkpoint_health(self) -> tuple[str | None, int]:
+        """(why the latest checkpoint was skipped, or None if it was written or none was
+        due yet; checkpoints skipped so far)."""
+        d = self._json("checkpoint_health")
+        try:
+            return (None if d is None or d["error"] is None else str(d["error"]),
+                    int(d["failures"]) if d is not None else 0)
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("dropped an unreadable checkpoint report: %s", e)
+            return None, 0
+
     def set_checkpoint(self, step: int) -> None:
         self._set("checkpoint", str(step), forward=step)
 

@@ -29,6 +29,7 @@ from lazarus_core.process_env import new_job_key, worker_env
 from lazarus_core.runtime_config import RuntimeConfig
 from lazarus_core.topology import NodeSpec
 
+from .checkpoint import Checkpoints
 from .coordination import PreparedStep, StepCoordinator
 from .data import StepBatches
 from .job_channel import JobChannel
@@ -89,7 +90,7 @@ class LocalJob:
 
     def __init__(self, name: str, spec: JobSpec, workers: int, steps: int,
                  kills: Sequence[Fault] = (), joins: Sequence[tuple[int, int]] = (),
-                 checkpoint_dir: Path | None = None, seed: int = 0,
+                 checkpoint_dir: Path | str | None = None, seed: int = 0,
                  on_event: Callable[[str], None] = lambda line: None,
                  on_progress: Callable[[dict], None] = lambda status: None,
                  worker_env: dict[str, str] | None = None, timeout_s: float = 600.0,
@@ -186,7 +187,9 @@ class LocalJob:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
         self.chan = JobChannel(self.store, self.key, self.name)
-        self.steps_done = StepCoordinator(self.chan, self.on_event)
+        self.steps_done = StepCoordinator(
+            self.chan, self.on_event,
+            Checkpoints.open(str(self.checkpoint_dir), None) if self.checkpoint_dir else None)
         start = time.monotonic()
         try:
             for i in range(self.workers):

@@ -27,7 +27,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -72,7 +71,7 @@ class WorkerSettings:
     collective_timeout_s: float = 60.0
     # How long to wait for the coordinator's next plan before giving up.
     plan_timeout_s: float = 300.0
-    checkpoint_dir: Path | None = None
+    checkpoints: checkpoint.Checkpoints | None = None
     checkpoint_every: int = 0
     device: str = "cpu"
     # How long to keep trying to reach a replacement coordinator before giving up.
@@ -298,11 +297,12 @@ class Worker:
     def _restore(self, d: Directive, rank: int, comm: Collectives) -> None:
         engine = Engine(self.cfg, d.plan, rank, comm, self.batches, self.settings.device)
         if d.restore_step:
-            ck = checkpoint.latest(self.settings.checkpoint_dir, at_most=d.restore_step)
-            if ck is None or ck.step != d.restore_step:
-                raise RuntimeError(f"checkpoint of step {d.restore_step} not found in "
-                                   f"{self.settings.checkpoint_dir}")
-            engine.load_state(*ck.load(set(engine.held_experts())))
+            # The coordinator chose a step whose every shard it read back whole.
+            store = self.settings.checkpoints
+            if store is None:
+                raise RuntimeError(f"told to restore step {d.restore_step}, but this worker "
+                                   f"has no checkpoint path")
+            engine.load_state(*store.at(d.restore_step).load(set(engine.held_experts())))
         self.engine = engine
         self.committed = d.restore_step
         log.info("%s: restored step %d for generation %d", self.node, d.restore_step,
@@ -338,28 +338,46 @@ class Worker:
 
     def _maybe_checkpoint(self, d: Directive, rank: int, step: int) -> None:
         every = self.settings.checkpoint_every
-        if not every or step % every or self.settings.checkpoint_dir is None:
+        store = self.settings.checkpoints
+        if not every or step % every or store is None:
             return
         owned = {key: self.engine.expert_state(key)
                  for key in checkpoint.owned_experts(d.plan, rank)}
         dense = self.engine.dense_state() if rank == 0 else None
-        info = checkpoint.write_shard(self.settings.checkpoint_dir, step, rank, owned, dense)
+        superseded = lambda: self._superseded(d.generation)  # noqa: E731
+        # A storage fault skips this checkpoint, never the training: the shard's entry says
+        # why instead, and rank 0 writes no manifest for the step.
+        try:
+            info = store.write_shard(step, rank, owned, dense, interrupted=superseded)
+        except checkpoint.CheckpointWriteFailed as e:
+            log.warning("%s: checkpoint of step %d skipped: %s", self.node, step, e)
+            info = {"error": str(e)}
         self.chan.checkpoint_written(d.generation, step, rank, info)
         if rank != 0:
             return
-        shards: list[list[dict]] = []
+        world = d.plan.world_size
+        shards: list[dict] = []
 
         def written() -> bool:
-            got = self.chan.checkpoint_shards(d.generation, step, d.plan.world_size)
-            if got is not None:
-                shards.append(got)
+            got = self.chan.checkpoint_shards(d.generation, step, world)
+            shards.extend(got or [])
             return got is not None
 
-        if self.chan.wait_until(written, self.settings.collective_timeout_s,
-                                f"checkpoint of step {step}",
-                                interrupted=lambda: self._superseded(d.generation)):
-            checkpoint.write_manifest(self.settings.checkpoint_dir, step, shards[0])
-            self.chan.set_checkpoint(step)
+        if not self.chan.wait_until(written, self.settings.collective_timeout_s,
+                                    f"checkpoint of step {step}", interrupted=superseded):
+            return
+        failed = [s["error"] for s in shards if "error" in s]
+        if not failed:
+            try:
+                store.write_manifest(step, shards, interrupted=superseded)
+            except checkpoint.CheckpointWriteFailed as e:
+                failed = [str(e)]
+        if failed:
+            log.warning("%s: no checkpoint of step %d: %s", self.node, step, failed[0])
+            self.chan.report_checkpoint(step, f"checkpoint of step {step} skipped: {failed[0]}")
+            return
+        self.chan.set_checkpoint(step)
+        self.chan.report_checkpoint(step, None)
 
 
 def main() -> int:
@@ -377,7 +395,9 @@ def main() -> int:
     # would wait out its whole grace period: leave at once (nothing here needs saving).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     settings = WorkerSettings(
-        checkpoint_dir=Path(env.checkpoint_path) if env.checkpoint_path else None,
+        checkpoints=checkpoint.Checkpoints.open(env.checkpoint_path, env.job_uid,
+                                                env.checkpoint_keep)
+        if env.checkpoint_path else None,
         checkpoint_every=env.checkpoint_every_steps,
         collective_timeout_s=env.collective_timeout_s,
         reconnect_s=env.reconnect_s,

@@ -6,9 +6,8 @@ import sys
 import textwrap
 
 import pytest
-from kubernetes import client
 
-from testcluster.kube import wait_gone, wait_pod_phase
+from testcluster.kube import pod_reader, wait_gone, wait_pod_phase
 from testcluster.kubelet import REPORTED_IP
 from testcluster.waits import wait_until
 
@@ -162,15 +161,8 @@ def test_deleting_the_node_sigkills_its_processes_and_only_those(cluster, namesp
 
 def test_the_process_has_exactly_its_service_accounts_rbac(cluster, namespace, scratch_nodes, local_kubelet):
     [[node]] = scratch_nodes("gpu-spot").values()
-    core, rbac = cluster.core, client.RbacAuthorizationV1Api(cluster.api)
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "pod-reader"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
-    })
+    core = cluster.core
+    account = pod_reader(cluster.api, namespace)
     core.create_namespaced_pod(namespace, kubelet_pod("worker", node, """
         import json, os
         from kubernetes import client, config
@@ -184,7 +176,68 @@ def test_the_process_has_exactly_its_service_accounts_rbac(cluster, namespace, s
             result["secrets"] = e.status
         print(json.dumps(result))
     """, env=[field("POD_NAME", "metadata.name"), field("POD_NAMESPACE", "metadata.namespace")],
-        serviceAccountName="reader"))
+        serviceAccountName=account))
 
     wait_pod_phase(core, namespace, "worker", "Succeeded", timeout=30)
     assert printed_json(local_kubelet, "worker") == {"own_pod": "worker", "secrets": 403}
+
+
+def test_secrets_reach_the_environment_and_each_pod_has_its_own_home(
+        cluster, namespace, scratch_nodes, local_kubelet):
+    [[node]] = scratch_nodes("gpu-spot").values()
+    core = cluster.core
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "creds"},
+                                              "stringData": {"KEY_ID": "id-1", "SECRET": "s3cr3t"}})
+    script = """
+        import json, os, pathlib
+        pathlib.Path("mine.txt").write_text(os.environ["POD_NAME"])  # a relative path
+        print(json.dumps({k: os.environ.get(k) for k in ("KEY_ID", "SECRET", "ONE", "HOME")}
+                         | {"cwd": os.getcwd()}))
+    """
+    env = [field("POD_NAME", "metadata.name"),
+           {"name": "ONE", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "KEY_ID"}}}]
+    for name in ("a", "b"):
+        pod = kubelet_pod(name, node, script, env=env)
+        pod["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "creds"}}]
+        core.create_namespaced_pod(namespace, pod)
+    seen = {}
+    for name in ("a", "b"):
+        wait_pod_phase(core, namespace, name, "Succeeded", timeout=30)
+        seen[name] = printed_json(local_kubelet, name)
+        assert (seen[name]["KEY_ID"], seen[name]["SECRET"], seen[name]["ONE"]) == (
+            "id-1", "s3cr3t", "id-1")
+        assert seen[name]["cwd"] == seen[name]["HOME"] == str(local_kubelet.home(name))
+        assert (local_kubelet.home(name) / "mine.txt").read_text() == name
+    assert seen["a"]["cwd"] != seen["b"]["cwd"]
+
+
+def test_a_pod_whose_secret_is_missing_waits_and_says_why(cluster, namespace, scratch_nodes,
+                                                         local_kubelet):
+    [[node]] = scratch_nodes("gpu-spot").values()
+    pod = kubelet_pod("worker", node, "print('never')")
+    pod["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "absent"}}]
+    cluster.core.create_namespaced_pod(namespace, pod)
+    waiting = wait_until(
+        lambda: (s := cluster.core.read_namespaced_pod("worker", namespace).status.container_statuses)
+        and s[0].state.waiting, timeout=30, what="the pod to report why it waits")
+    assert waiting.reason == "CreateContainerConfigError" and "absent" in waiting.message
+    assert local_kubelet.process("worker") is None
+
+
+def test_a_failed_process_leaves_its_last_log_lines_as_the_termination_message(
+        cluster, namespace, scratch_nodes, local_kubelet):
+    [[node]] = scratch_nodes("gpu-spot").values()
+    for name, policy in (("fallback", "FallbackToLogsOnError"), ("file", "File")):
+        pod = kubelet_pod(name, node, """
+            import sys
+            print("\\n".join(f"line {i}" for i in range(200)))
+            sys.exit("error: spec.runtime.model: unknown model 'gpt-xxl'")
+        """)
+        pod["spec"]["containers"][0]["terminationMessagePolicy"] = policy
+        cluster.core.create_namespaced_pod(namespace, pod)
+    fallback = wait_pod_phase(cluster.core, namespace, "fallback", "Failed", timeout=30)
+    message = fallback.status.container_statuses[0].state.terminated.message
+    assert message.endswith("error: spec.runtime.model: unknown model 'gpt-xxl'")
+    assert len(message.splitlines()) == 80 and len(message) <= 2048
+    file = wait_pod_phase(cluster.core, namespace, "file", "Failed", timeout=30)
+    assert file.status.container_statuses[0].state.terminated.message is None

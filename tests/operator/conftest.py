@@ -128,13 +128,13 @@ class Operator:
 
 @pytest.fixture
 def operator_factory(cluster, namespace, lazarus_crds, tmp_path):
-    """``make(kubeconfig=None, peering=None, extra_args=()) -> Operator`` (not started),
-    stopped afterwards."""
+    """``make(kubeconfig=None, peering=None, extra_args=(), watch=None) -> Operator`` (not
+    started; ``watch``: another namespace than the test's), stopped afterwards."""
     made: list[Operator] = []
 
     def make(kubeconfig: Path | None = None, peering: str | None = None,
-             extra_args: tuple[str, ...] = ()) -> Operator:
-        args = [f"--namespace={namespace}", *extra_args]
+             extra_args: tuple[str, ...] = (), watch: str | None = None) -> Operator:
+        args = [f"--namespace={watch or namespace}", *extra_args]
         args += [f"--peering={peering}"] if peering else ["--standalone"]
         op = Operator(args, kubeconfig or cluster.kubeconfig, tmp_path / f"operator-{len(made)}.log",
                       free_port())

@@ -98,8 +98,6 @@ def test_every_bad_spec_is_refused_or_marked_within_5_s_at_a_bounded_cost(counte
     created: dict[str, tuple[bad_specs.BadSpec, float]] = {}
     refused = []
     for i, case in enumerate(bad_specs.CASES):
-        if case.id in bad_specs.AWAITING_ISSUE_15:
-            continue  # until issue 15 lands; its own test above fails loudly when it does
         manifest = case.apply(make_job(f"bad-{i}", namespace))
         try:
             jobs.create(manifest)

@@ -4,9 +4,15 @@ the kubelet): a coordinator and workers that train the tiny MoE on the CPU. Node
 deleted, warned, vanish or are lost a zone at a time, workers freeze or slow down, the
 coordinator itself dies, and the job keeps training.
 
+The node deletion and the spot notice also run in containers: every pod from the runtime
+image (hack/images.sh), with its securityContext and limits, on a network of its own where
+the job's Service names resolve; a deleted node's containers vanish without closing a
+connection, as a reclaimed instance's do.
+
 Each scenario records, from the coordinators' logs, the time from the fault to the next
 completed step, the steps lost (committed, then rolled back to a checkpoint), the samples
-lost or duplicated, and the expert replicas migrated, in build/e2e-results.json.
+lost or duplicated, and the expert replicas migrated, in build/e2e-results.json ("... in
+containers" for the container runs).
 """
 from __future__ import annotations
 
@@ -49,17 +55,24 @@ FROZEN_TARGET_S = 15
 NODE_MONITOR_GRACE_S = 40
 
 
-def job_manifest(name: str, namespace: str, checkpoint: Path, **spec) -> dict:
-    """examples/tiny-cpu.yaml on this test's scratch nodes, its pods run by the local kubelet."""
+def job_manifest(name: str, namespace: str, checkpoint_path: Path, image: str | None = None,
+                 **spec) -> dict:
+    """examples/tiny-cpu.yaml on this test's scratch nodes, its pods run by the local kubelet;
+    with ``image``, from that image, the checkpoints on a hostPath volume all workers share."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
-    doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace})
+    doc = on_pools(doc, namespace, {"lazarus.dev/scratch": namespace}, image=image)
     doc["spec"] |= {"rebalanceEverySteps": 0,
-                    "checkpoint": {"path": str(checkpoint), "everySteps": 5}} | spec
+                    "checkpoint": {"path": str(checkpoint_path), "everySteps": 5}} | spec
+    template = doc["spec"]["template"]
     # A dead peer is noticed through the plan long before this; it only bounds a collective
     # whose peer froze.
-    doc["spec"]["template"]["env"] = [{"name": "LAZARUS_COLLECTIVE_TIMEOUT_S", "value": "30"},
-                                      {"name": "LAZARUS_LOG_LEVEL", "value": "INFO"}]
+    template["env"] = [{"name": "LAZARUS_COLLECTIVE_TIMEOUT_S", "value": "30"},
+                       {"name": "LAZARUS_LOG_LEVEL", "value": "INFO"}]
+    if image:
+        template["volumes"] = [{"name": "checkpoints", "hostPath": {
+            "path": str(checkpoint_path), "type": "DirectoryOrCreate"}}]
+        template["volumeMounts"] = [{"name": "checkpoints", "mountPath": str(checkpoint_path)}]
     return doc
 
 
@@ -71,12 +84,16 @@ class Stack:
     kubelet: object
     operator: object
     tmp: Path
+    image: str | None = None  # the runtime image, when the pods run in containers
     name: str = "e2e"
 
     def apply(self, **spec) -> None:
+        checkpoint = self.tmp / "ckpt"
+        checkpoint.mkdir(exist_ok=True)
+        checkpoint.chmod(0o777)  # as an admin prepares a hostPath: the image's user writes it
         path = self.tmp / f"{self.name}.yaml"
-        path.write_text(yaml.safe_dump(job_manifest(self.name, self.namespace,
-                                                    self.tmp / "ckpt", **spec)))
+        path.write_text(yaml.safe_dump(job_manifest(self.name, self.namespace, checkpoint,
+                                                    self.image, **spec)))
         kubectl(self.cluster, "apply", "-f", str(path))
 
     # --- what the coordinator says --------------------------------------------------------
@@ -143,7 +160,7 @@ class Stack:
             "generations": [p["generation"] for p in plans],
             "restored_step": min(restored) if restored else None,
         } | self.samples()
-        record(scenario, result)
+        record(scenario + (" in containers" if self.image else ""), result)
         return result
 
     def samples(self) -> dict:
@@ -181,15 +198,31 @@ def record(scenario: str, result: dict) -> None:
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
 
-@pytest.fixture
-def stack(cluster, namespace, operator_factory, jobs, local_kubelet, scratch_nodes, tmp_path):
-    scratch_nodes("system")  # the coordinator's on-demand node
-    with socket.socket() as s:  # every coordinator listens on this host: one port each
+def start_operator(operator_factory, watch: str | None = None):
+    """An operator for the e2e tier, with a coordinator port of its own: every
+    coordinator listens on this host. (The job's pods need no RBAC installed beside it: the
+    operator gives each job's coordinator a ServiceAccount and Role of its own.)"""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    op = operator_factory(extra_args=(f"--coordinator-port={port}",
-                                      f"--stall-seconds={STALL_S}")).start()
-    return Stack(cluster, namespace, jobs, local_kubelet, op, tmp_path)
+    return operator_factory(extra_args=(f"--coordinator-port={port}",
+                                        f"--stall-seconds={STALL_S}"), watch=watch).start()
+
+
+@pytest.fixture
+def stack(request, cluster, namespace, operator_factory, jobs, scratch_nodes, tmp_path):
+    """The job's pods as processes, or with ``indirect`` parametrization "containers", from
+    the runtime image."""
+    containers = getattr(request, "param", "processes") == "containers"
+    kubelet = request.getfixturevalue("container_kubelet" if containers else "local_kubelet")
+    image = request.getfixturevalue("images").runtime if containers else None
+    scratch_nodes("system")  # the coordinator's on-demand node
+    return Stack(cluster, namespace, jobs, kubelet, start_operator(operator_factory),
+                 tmp_path, image)
+
+
+# The scenarios that also run with every pod in a container.
+BOTH_RUNTIMES = pytest.mark.parametrize("stack", ["processes", "containers"], indirect=True)
 
 
 def reference_losses(tmp: Path, steps: int) -> list[float]:
@@ -216,6 +249,7 @@ def assert_losses_match(stack: Stack, m: dict, scenario: str | None = None) -> N
     assert worst <= TOLERANCE, f"largest loss difference {worst:.2e} over {upto} steps"
 
 
+@BOTH_RUNTIMES
 def test_a_deleted_node_costs_one_reconfiguration_and_the_losses_match(cluster, stack,
                                                                        scratch_nodes):
     scratch_nodes("gpu-spot", num_zones=2, nodes_per_zone=2)
@@ -249,6 +283,7 @@ def sole_holders(plan: dict) -> set[str]:
     return found
 
 
+@BOTH_RUNTIMES
 def test_a_spot_notice_moves_the_experts_off_before_the_reclaim(cluster, stack, scratch_nodes):
     scratch_nodes("gpu-spot", num_zones=2, nodes_per_zone=2)
     # 5 experts in 4 x 2 slots: some expert has a single replica, so the node holding it

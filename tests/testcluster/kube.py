@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from kubernetes import client, config
 
+POD_TOKEN_TTL_S = 3600
+
 
 def api_client(kubeconfig: str, *, impersonate: str | None = None) -> client.ApiClient:
     """An API client for ``kubeconfig``; with ``impersonate``, every request acts as that user
@@ -37,6 +39,33 @@ def status_of(call) -> int:
     except client.ApiException as e:
         return e.status
     return 200
+
+
+def pod_token(core: client.CoreV1Api, pod: client.V1Pod, ttl_s: int = POD_TOKEN_TTL_S,
+              audience: str | None = None) -> str:
+    """A token of the pod's ServiceAccount bound to the pod, as the kubelet mounts one: it
+    carries exactly that account's RBAC, and dies with the pod."""
+    meta = pod.metadata
+    spec = {"expirationSeconds": ttl_s,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta.name, "uid": meta.uid}}
+    if audience:
+        spec["audiences"] = [audience]
+    return core.create_namespaced_service_account_token(
+        pod.spec.service_account_name or "default", meta.namespace, {"spec": spec}).status.token
+
+
+def pod_reader(api: client.ApiClient, namespace: str, name: str = "reader") -> str:
+    """A ServiceAccount that may get the namespace's pods and nothing else; returns its name."""
+    rbac = client.RbacAuthorizationV1Api(api)
+    client.CoreV1Api(api).create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": f"{name}-pods"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-pods"},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    })
+    return name
 
 
 def node_ready_status(node: client.V1Node) -> str | None:

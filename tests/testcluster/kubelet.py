@@ -1,14 +1,25 @@
 """A local stand-in for the kubelet: each pod labelled ``lazarus.dev/kubelet`` (kwok leaves those
-alone, see hack/kwok-stages.yaml) runs its first container's command as a process on this
-machine, and its status is reported through the API, so full-stack e2e tests run real
-workers on the real scheduler's choice of kwok node.
+alone, see hack/kwok-stages.yaml) runs its first container on this machine, and its status is
+reported through the API, so full-stack e2e tests run real workers on the real scheduler's
+choice of kwok node. Two runtimes:
 
-Only what those tests need: no images (``python`` is this test's interpreter), no volumes, no
-probes, and a process is never restarted, whatever the pod's restartPolicy. Environment
-variables take values, the downward API's fieldRefs, and Secrets' keys (read with the
-kubelet's own credentials, as a real kubelet does). Pod deletion
-stops the process (SIGTERM, then SIGKILL after the grace period); node deletion SIGKILLs
-every process on that node, as a reclaimed spot instance would.
+- processes (``local_kubelet``): the container's command as a local process, with this test's
+  Python for ``python``, on this host's network (Service names are rewritten to 127.0.0.1),
+  and no image, volumes or securityContext. Each process gets a working directory and HOME of
+  its own (its pod's folder), as each container has its own filesystem: two pods share files
+  only through an absolute path both name, the stand-in for a shared volume;
+- containers (``container_kubelet``, testcluster.containers): the pod from its image in the
+  local Docker engine, with its securityContext, resources, volumes and ServiceAccount token,
+  on a network of its own where Service names resolve to the right containers.
+
+In both, Secrets reach the environment as the kubelet passes them (``envFrom`` and
+``valueFrom.secretKeyRef``); a missing one leaves the pod waiting, as on a real node. A failed
+container under FallbackToLogsOnError reports its log's tail as its termination message.
+
+A pod is never restarted, whatever its restartPolicy, and has no probes. Pod deletion stops
+it (SIGTERM, then SIGKILL after the grace period); node deletion SIGKILLs everything on that
+node, as a reclaimed spot instance would (a container first loses its network, so its peers
+hear nothing).
 
 Kubernetes is imported lazily, so loading this fixture costs unit tests nothing.
 """
@@ -30,7 +41,6 @@ from pathlib import Path
 
 import pytest
 
-from testcluster.local import REPO
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,9 @@ POLL_S = 0.05
 WATCH_TIMEOUT_S = 10  # also how long a stopped kubelet's watch threads may linger
 RETRY_S = 1.0
 MAX_GRACE_S = 10
-TOKEN_TTL_S = 3600
+# A failed container's log tail, as the kubelet's FallbackToLogsOnError takes it.
+TERMINATION_MESSAGE_BYTES = 2048
+TERMINATION_MESSAGE_LINES = 80
 # No cluster DNS or kube-proxy runs here, and every process listens on this host: a Service
 # address NAME.NAMESPACE.svc[.cluster.local] must reach 127.0.0.1 (the port is kept).
 SERVICE_HOST = re.compile(r"(?<![\w.-])[a-z0-9-]+\.[a-z0-9-]+\.svc(?:\.cluster\.local)?(?![\w.-])")
@@ -61,46 +73,147 @@ def _expand(value: str, env: dict[str, str]) -> str:
     return VAR_REF.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), value)
 
 
-def _field_ref(pod, path: str) -> str:
+@dataclass(frozen=True)
+class Addresses:
+    """Where a pod is: what its process is told (downward API) and what the API is told."""
+    pod: str
+    host: str
+    reported_pod: str
+    reported_host: str
+
+
+def field_ref(pod, path: str, addresses: Addresses) -> str:
+    """The value of a downward-API fieldRef (env, and projected volumes in container mode)."""
     if m := LABEL_REF.fullmatch(path):
         return (getattr(pod.metadata, m[1]) or {}).get(m[2], "")
     fields = {
         "metadata.name": pod.metadata.name, "metadata.namespace": pod.metadata.namespace,
         "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name,
         "spec.serviceAccountName": pod.spec.service_account_name or "default",
-        "status.podIP": LOCAL_IP, "status.hostIP": LOCAL_IP,
+        "status.podIP": addresses.pod, "status.hostIP": addresses.host,
     }
     if path not in fields:
         raise ValueError(f"env fieldRef {path!r} is not supported by the local kubelet")
     return fields[path]
 
 
-def _container_env(pod, container, secret_value) -> dict[str, str]:
-    """The test's basics, not its whole environment (no admin KUBECONFIG), then the container's.
-    ``secret_value(name, key)`` reads a Secret's key."""
-    # Unbuffered, so a SIGKILLed process's log still holds everything it printed.
-    env = {k: os.environ[k] for k in BASE_ENV if k in os.environ} | {"PYTHONUNBUFFERED": "1"}
+class _ConfigError(ValueError):
+    """The container's configuration cannot be resolved (a missing Secret or key)."""
+
+
+def _container_env(pod, container, runtime, addresses: Addresses, secret) -> dict[str, str]:
+    """The runtime's basics (never the test's whole environment: no admin KUBECONFIG), then
+    the container's, with addresses as the runtime reaches them. ``secret(name)`` reads a
+    Secret's data, or None when it does not exist."""
+    env = runtime.base_env()
+    for source in container.env_from or []:
+        if source.secret_ref is None:
+            raise ValueError("envFrom: only secretRef is supported by the local kubelet")
+        data = secret(source.secret_ref.name)
+        if data is None:
+            if source.secret_ref.optional:
+                continue
+            raise _ConfigError(f'secret "{source.secret_ref.name}" not found')
+        env |= {(source.prefix or "") + k: v for k, v in data.items()}
     for var in container.env or []:
         if var.value_from is None:
             value = _expand(var.value or "", env)
         elif var.value_from.field_ref is not None:
-            value = _field_ref(pod, var.value_from.field_ref.field_path)
+            value = field_ref(pod, var.value_from.field_ref.field_path, addresses)
         elif var.value_from.secret_key_ref is not None:
             ref = var.value_from.secret_key_ref
-            value = secret_value(ref.name, ref.key)
+            value = (secret(ref.name) or {}).get(ref.key)
+            if value is None:
+                if ref.optional:
+                    continue
+                raise _ConfigError(f"couldn't find key {ref.key} in Secret {ref.name}")
         else:
-            raise ValueError(f"env {var.name}: only value, valueFrom.fieldRef and valueFrom.secretKeyRef are supported by the local kubelet")
-        env[var.name] = SERVICE_HOST.sub(LOCAL_IP, value)
+            raise ValueError(f"env {var.name}: only value and valueFrom.fieldRef or "
+                             f"secretKeyRef are supported by the local kubelet")
+        env[var.name] = runtime.address(value)
     return env
+
+
+class ProcessRuntime:
+    """Pods as local processes on this host's network (see the module docstring)."""
+
+    ADDRESSES = Addresses(LOCAL_IP, LOCAL_IP, REPORTED_IP, REPORTED_IP)
+
+    def __init__(self, api, namespace: str):
+        from kubernetes import client
+
+        self._api, self._core, self._namespace = api, client.CoreV1Api(api), namespace
+
+    def addresses(self) -> Addresses:
+        return self.ADDRESSES
+
+    @staticmethod
+    def base_env() -> dict[str, str]:
+        # Unbuffered, so a SIGKILLed process's log still holds everything it printed.
+        return {k: os.environ[k] for k in BASE_ENV if k in os.environ} | {"PYTHONUNBUFFERED": "1"}
+
+    @staticmethod
+    def address(value: str) -> str:
+        return SERVICE_HOST.sub(LOCAL_IP, value)
+
+    def prepare(self, pod, container, env: dict[str, str], command: list[str], args: list[str],
+                pod_dir: Path, addresses: Addresses):
+        """Everything but the start (API calls, files); returns the start, which the kubelet
+        calls under its lock."""
+        argv = command + args
+        if not argv:
+            raise ValueError("the container has no command; the local kubelet cannot run an image's entrypoint")
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        home = pod_dir / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        env = dict(env) | {"HOME": str(home)}
+        if pod.spec.automount_service_account_token is not False:
+            env["KUBECONFIG"] = str(self._write_kubeconfig(pod, pod_dir))
+
+        def start(log_path: Path) -> subprocess.Popen:
+            with open(log_path, "ab") as out:
+                return subprocess.Popen(argv, cwd=home, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=subprocess.STDOUT)
+        return start
+
+    def _write_kubeconfig(self, pod, pod_dir: Path) -> Path:
+        """A kubeconfig with a token bound to the pod, so the process has exactly its
+        ServiceAccount's RBAC (the project's processes fall back from in-cluster config to it)."""
+        from testcluster.kube import pod_token
+
+        conf = self._api.configuration
+        account = pod.spec.service_account_name or "default"
+        cluster = {"server": conf.host}
+        if conf.ssl_ca_cert:
+            cluster["certificate-authority-data"] = base64.b64encode(Path(conf.ssl_ca_cert).read_bytes()).decode()
+        path = pod_dir / "kubeconfig"
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "pod",
+            "clusters": [{"name": "cluster", "cluster": cluster}],
+            "users": [{"name": account, "user": {"token": pod_token(self._core, pod)}}],
+            "contexts": [{"name": "pod", "context": {
+                "cluster": "cluster", "user": account, "namespace": self._namespace}}],
+        }))
+        path.chmod(0o600)
+        return path
+
+    @staticmethod
+    def lose(handle: subprocess.Popen) -> None:
+        handle.kill()
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
 class _Process:
-    popen: subprocess.Popen
+    popen: subprocess.Popen  # or a testcluster.containers.Container, which acts like one
     uid: str
     node: str
     container: object  # its V1Container
     started_at: str
+    addresses: Addresses
     reported: str | None = None  # the phase last written to the pod's status
     kill_at: float | None = None  # SIGKILL deadline of a SIGTERMed process
     deleting: bool = False  # finish the pod's deletion once the process has exited
@@ -108,13 +221,15 @@ class _Process:
 
 
 class LocalKubelet:
-    """Runs the labelled pods of one namespace as local processes, until ``stop()``."""
+    """Runs the labelled pods of one namespace with ``runtime`` (ProcessRuntime or
+    testcluster.containers.ContainerRuntime), until ``stop()``."""
 
-    def __init__(self, api, namespace: str, log_dir: Path):
+    def __init__(self, api, namespace: str, log_dir: Path, runtime=None):
         from kubernetes import client
 
         self._api, self._namespace, self._log_dir = api, namespace, Path(log_dir)
         self._core = client.CoreV1Api(api)
+        self._runtime = runtime or ProcessRuntime(api, namespace)
         self._lock = threading.Lock()  # guards _procs and _dead_nodes
         self._procs: dict[str, _Process] = {}
         self._dead_nodes: set[str] = set()
@@ -141,6 +256,7 @@ class LocalKubelet:
             self._monitor_thread.join()
         for proc in procs:
             proc.popen.wait()
+        self._runtime.close()
 
     def log_path(self, pod_name: str) -> Path:
         return self._log_dir / pod_name / "output.log"
@@ -152,8 +268,12 @@ class LocalKubelet:
 
     def vanish(self, node: str) -> None:
         """The machine is gone but its Node object lingers, as after a reclaim the cloud has
-        not reported yet: every process on it is SIGKILLed and nothing is reported, ever."""
+        not reported yet: everything on it is killed and nothing is reported, ever."""
         self._node_gone(node)
+
+    def home(self, pod_name: str) -> Path:
+        """The working directory and HOME of a pod's process: its own, like a container's."""
+        return self.log_path(pod_name).parent / "home"
 
     def process(self, pod_name: str) -> subprocess.Popen | None:
         """The process last started for a pod of that name, also after it ended."""
@@ -213,68 +333,39 @@ class LocalKubelet:
             self._start(pod)
 
     def _start(self, pod) -> None:
-        name, container = pod.metadata.name, pod.spec.containers[0]
+        name, container, runtime = pod.metadata.name, pod.spec.containers[0], self._runtime
         try:
-            env = _container_env(pod, container, self._secret_value)
-            # The DNS stand-in applies to arguments too: an address may be passed either way.
-            argv = [SERVICE_HOST.sub(LOCAL_IP, _expand(arg, env))
-                    for arg in (container.command or []) + (container.args or [])]
-            if not argv:
-                raise ValueError("the container has no command; the local kubelet cannot run an image's entrypoint")
-            if argv[0] in ("python", "python3"):
-                argv[0] = sys.executable
-            self.log_path(name).parent.mkdir(parents=True, exist_ok=True)
-            if pod.spec.automount_service_account_token is not False:
-                env["KUBECONFIG"] = str(self._write_kubeconfig(pod))
+            pod_dir = self.log_path(name).parent
+            pod_dir.mkdir(parents=True, exist_ok=True)
+            addresses = runtime.addresses()
+            env = _container_env(pod, container, runtime, addresses, self._secret)
+            # The runtime's addresses apply to arguments too: one may be passed either way.
+            command, args = ([runtime.address(_expand(arg, env)) for arg in part or []]
+                             for part in (container.command, container.args))
+            start = runtime.prepare(pod, container, env, command, args, pod_dir, addresses)
             with self._lock:
                 if self._stopped.is_set() or pod.spec.node_name in self._dead_nodes:
                     return
-                with open(self.log_path(name), "ab") as out:
-                    popen = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=out, stderr=subprocess.STDOUT)
-                self._procs[name] = _Process(popen, pod.metadata.uid, pod.spec.node_name, container, _now())
-        except (ValueError, OSError) as e:
+                self._procs[name] = _Process(start(self.log_path(name)), pod.metadata.uid,
+                                             pod.spec.node_name, container, _now(), addresses)
+        except (ValueError, OSError, RuntimeError) as e:
             # The monitor reports Running; a pod that cannot start stays Pending and says why.
+            reason = "CreateContainerConfigError" if isinstance(e, _ConfigError) else "CreateContainerError"
             self._core.patch_namespaced_pod_status(name, self._namespace, {"status": {"containerStatuses": [{
                 "name": container.name, "image": container.image, "imageID": "", "ready": False,
-                "restartCount": 0, "state": {"waiting": {"reason": "CreateContainerError", "message": str(e)}},
+                "restartCount": 0, "state": {"waiting": {"reason": reason, "message": str(e)}},
             }]}})
 
-    def _secret_value(self, name: str, key: str) -> str:
-        """A Secret's key, as the kubelet puts it into a container's environment; a missing
-        one keeps the pod from starting (ValueError), as CreateContainerConfigError does."""
+    def _secret(self, name: str) -> dict[str, str] | None:
         from kubernetes import client
 
         try:
             data = self._core.read_namespaced_secret(name, self._namespace).data or {}
         except client.ApiException as e:
-            raise ValueError(f"secret {name!r}: {e.reason}") from None
-        if key not in data:
-            raise ValueError(f"secret {name!r} has no key {key!r}")
-        return base64.b64decode(data[key]).decode()
-
-    def _write_kubeconfig(self, pod) -> Path:
-        """A kubeconfig with a token bound to the pod, so the process has exactly its
-        ServiceAccount's RBAC (the project's processes fall back from in-cluster config to it)."""
-        meta, conf = pod.metadata, self._api.configuration
-        account = pod.spec.service_account_name or "default"
-        token = self._core.create_namespaced_service_account_token(account, self._namespace, {"spec": {
-            "expirationSeconds": TOKEN_TTL_S,
-            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta.name, "uid": meta.uid},
-        }}).status.token
-        cluster = {"server": conf.host}
-        if conf.ssl_ca_cert:
-            cluster["certificate-authority-data"] = base64.b64encode(Path(conf.ssl_ca_cert).read_bytes()).decode()
-        path = self.log_path(meta.name).parent / "kubeconfig"
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "pod",
-            "clusters": [{"name": "cluster", "cluster": cluster}],
-            "users": [{"name": account, "user": {"token": token}}],
-            "contexts": [{"name": "pod", "context": {
-                "cluster": "cluster", "user": account, "namespace": self._namespace}}],
-        }))
-        path.chmod(0o600)
-        return path
+            if e.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
 
     def _monitor(self) -> None:
         """One thread for all processes: SIGKILLs after the grace period, reports exits, and
@@ -307,16 +398,28 @@ class LocalKubelet:
             state = {"terminated": {
                 "exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else "Error",
                 "startedAt": proc.started_at, "finishedAt": now}}
+            if code != 0 and proc.container.termination_message_policy == "FallbackToLogsOnError":
+                state["terminated"]["message"] = self._log_tail(name)
         ready = {"status": str(running), "lastTransitionTime": now, "reason": None if running else "PodCompleted"}
+        pod_ip, host_ip = proc.addresses.reported_pod, proc.addresses.reported_host
         self._core.patch_namespaced_pod_status(name, self._namespace, {"status": {
-            "phase": phase, "podIP": REPORTED_IP, "podIPs": [{"ip": REPORTED_IP}],
-            "hostIP": REPORTED_IP, "hostIPs": [{"ip": REPORTED_IP}], "startTime": proc.started_at,
+            "phase": phase, "podIP": pod_ip, "podIPs": [{"ip": pod_ip}],
+            "hostIP": host_ip, "hostIPs": [{"ip": host_ip}], "startTime": proc.started_at,
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
                            {"type": "ContainersReady", **ready}, {"type": "Ready", **ready}],
             "containerStatuses": [{"name": proc.container.name, "image": proc.container.image, "imageID": "",
                                    "ready": running, "started": running, "restartCount": 0, "state": state}],
         }})
         proc.reported = phase
+
+    def _log_tail(self, name: str) -> str:
+        """What a kubelet puts in a failed container's termination message under
+        FallbackToLogsOnError: the log's last 80 lines, at most its last 2048 bytes."""
+        try:
+            data = self.log_path(name).read_bytes()[-TERMINATION_MESSAGE_BYTES:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-TERMINATION_MESSAGE_LINES:])
 
     def _finish_deletion(self, name: str, uid: str) -> None:
         """What the kubelet does once the pod's containers have stopped: delete it for good."""
@@ -353,13 +456,29 @@ class LocalKubelet:
             for proc in self._procs.values():
                 if proc.node == name and not proc.gone:
                     proc.gone = True
-                    proc.popen.kill()
+                    self._runtime.lose(proc.popen)
 
 
 @pytest.fixture
 def local_kubelet(cluster, namespace, tmp_path):
-    """A LocalKubelet for the test's namespace, its pods' logs and kubeconfigs under tmp_path."""
-    kubelet = LocalKubelet(cluster.api, namespace, tmp_path / "kubelet").start()
+    """A LocalKubelet running pods as processes, for the test's namespace; its pods' logs and
+    kubeconfigs under tmp_path."""
+    yield from _kubelet(cluster, namespace, tmp_path, ProcessRuntime(cluster.api, namespace))
+
+
+@pytest.fixture
+def container_kubelet(cluster, namespace, tmp_path, images):
+    """A LocalKubelet running pods from their images in the local Docker engine, for the
+    test's namespace (``images``: the project's, built by hack/images.sh)."""
+    from testcluster.containers import ContainerRuntime
+
+    if not cluster.local:
+        pytest.skip("the container kubelet serves the local cluster; other clusters have kubelets")
+    yield from _kubelet(cluster, namespace, tmp_path, ContainerRuntime(cluster.api, namespace))
+
+
+def _kubelet(cluster, namespace, tmp_path, runtime):
+    kubelet = LocalKubelet(cluster.api, namespace, tmp_path / "kubelet", runtime).start()
     yield kubelet
     kubelet.stop()
     # Nobody would finish the deletion of its pods now, and they would keep the namespace
@@ -379,8 +498,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--log-dir", type=Path, required=True, help="each pod's output.log goes here")
     parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
+    parser.add_argument("--containers", action="store_true",
+                        help="run each pod from its image in the local Docker engine "
+                             "(hack/images.sh build makes the project's images)")
     args = parser.parse_args(argv)
-    kubelet = LocalKubelet(api_client(args.kubeconfig), args.namespace, args.log_dir).start()
+    api = api_client(args.kubeconfig)
+    if args.containers:
+        from testcluster.containers import ContainerRuntime
+
+        runtime = ContainerRuntime(api, args.namespace)
+    else:
+        runtime = ProcessRuntime(api, args.namespace)
+    kubelet = LocalKubelet(api, args.namespace, args.log_dir, runtime).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

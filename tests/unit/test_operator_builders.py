@@ -19,7 +19,8 @@ from lazarus_operator.observe import (NodeInfo, observe_coordinator,  # noqa: E4
 SPEC = parse_spec({
     "runtime": {"model": "tiny", "experts": 4, "layers": 2},
     "minNodes": 2, "maxNodes": 4, "gpusPerNode": 2, "slotsPerGpu": 2,
-    "checkpoint": {"path": "/ckpt", "everySteps": 10},
+    "checkpoint": {"path": "s3://bucket/ckpt", "everySteps": 10, "keep": 4,
+                   "secretName": "ckpt-creds"},
     "spotNoticeTaints": [{"key": "karpenter.sh/disrupted"}],
     "coordinator": {"nodeSelector": {"pool": "cpu"}},
     "template": {"image": "img:1", "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
@@ -50,7 +51,8 @@ def _environment(container: dict, node: str = "node-7") -> dict[str, str]:
 
 
 def test_worker_pod_carries_the_plan_location_and_secure_defaults():
-    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7, key_secret=KEY_SECRET)
+    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7, key_secret=KEY_SECRET,
+                                    job_uid="uid-1")
     assert pod["metadata"]["name"] == "j-worker-3"
     assert pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "7"
     c = pod["spec"]["containers"][0]
@@ -64,7 +66,11 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert (worker.job, worker.key) == ("j", KEY)
     assert worker.coordinator_address == ("j-coordinator.ns.svc", 29400)
     assert (worker.node, worker.runtime["model"]) == ("node-7", "tiny")
-    assert (worker.checkpoint_path, worker.checkpoint_every_steps) == ("/ckpt", 10)
+    assert (worker.checkpoint_path, worker.checkpoint_every_steps, worker.checkpoint_keep,
+            worker.job_uid) == ("s3://bucket/ckpt", 10, 4, "uid-1")
+    # Credentials come from the Secret the spec names, never as values in the manifest.
+    assert c["envFrom"] == [{"secretRef": {"name": "ckpt-creds"}}]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert pod["metadata"]["labels"]["team"] == "moe"  # the template's labels ride along,
     assert pod["metadata"]["labels"]["lazarus.dev/role"] == "worker"  # never over ours
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
@@ -85,7 +91,8 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
 
 
 def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_it():
-    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, index=3, port=1234)
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, index=3, port=1234,
+                                         job_uid="uid-1")
     svc = builders.build_coordinator_service("j", "ns", port=1234)
     c = pod["spec"]["containers"][0]
     env = _environment(c)
@@ -98,6 +105,9 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert coordinator.key == KEY
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": builders.SCRATCH_VOLUME, "mountPath": "/tmp"} in c["volumeMounts"]
+    # It chooses the checkpoint to restore, so it reads the job's checkpoints too.
+    assert (coordinator.checkpoint_path, coordinator.job_uid) == ("s3://bucket/ckpt", "uid-1")
+    assert c["envFrom"] == [{"secretRef": {"name": "ckpt-creds"}}]
     assert env["EXTRA"] == "1"
     # spec.coordinator places it; none of the workers' GPU request, selector or tolerations.
     assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["spec"]["tolerations"] == []
@@ -119,19 +129,21 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert pod["metadata"]["labels"]["team"] == "moe"
     selected = svc["spec"]["selector"]
     assert all(pod["metadata"]["labels"][k] == v for k, v in selected.items())
-    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1, key_secret=KEY_SECRET)
+    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1, key_secret=KEY_SECRET,
+                                       job_uid="uid-1")
     assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
     assert svc["spec"]["ports"][0]["port"] == 1234
     finite = builders.build_coordinator_pod("j", "ns", parse_spec(
         {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
-         "slotsPerGpu": 4, "steps": 300}), KEY_SECRET)
+         "slotsPerGpu": 4, "steps": 300}), KEY_SECRET, job_uid="uid-1")
     assert penv.read_coordinator_env(_environment(finite["spec"]["containers"][0])).steps == 300
+    assert "envFrom" not in finite["spec"]["containers"][0]  # no checkpoints, no Secret
 
 
 def test_workers_mount_no_token_unless_the_job_gives_them_an_account():
     spec = parse_spec({"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
                        "slotsPerGpu": 4})
-    pod = builders.build_worker_pod("j", "ns", spec, 0, generation=1, key_secret=KEY_SECRET)
+    pod = builders.build_worker_pod("j", "ns", spec, 0, generation=1, key_secret=KEY_SECRET, job_uid="u")
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert "serviceAccountName" not in pod["spec"]
 
@@ -141,8 +153,8 @@ def test_the_key_secret_is_the_one_the_pods_read():
     # The API server picks the name: nothing made before the job can pass for it.
     assert "name" not in secret["metadata"] and secret["metadata"]["generateName"] == "j-key-"
     assert secret["stringData"] == {builders.KEY_SECRET_ENTRY: KEY}
-    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET),
-                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)):
+    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET, job_uid="u"),
+                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, job_uid="u")):
         refs = [e["valueFrom"]["secretKeyRef"] for e in pod["spec"]["containers"][0]["env"]
                 if "secretKeyRef" in e.get("valueFrom", {})]
         assert refs == [{"name": KEY_SECRET, "key": builders.KEY_SECRET_ENTRY}]
@@ -150,7 +162,7 @@ def test_the_key_secret_is_the_one_the_pods_read():
 
 def test_the_coordinators_role_reaches_only_its_own_jobs_plan_and_state():
     account, role, binding = builders.build_coordinator_access("j", "ns")
-    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, job_uid="u")
     assert account["kind"] == "ServiceAccount"
     assert account["metadata"]["name"] == pod["spec"]["serviceAccountName"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "j-coordinator",
@@ -170,12 +182,12 @@ def test_the_coordinators_role_reaches_only_its_own_jobs_plan_and_state():
 def test_the_network_policy_admits_only_the_jobs_own_pods():
     policy = builders.build_network_policy("j", "ns")
     selected = policy["spec"]["podSelector"]["matchLabels"]
-    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET),
-                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET)):
+    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET, job_uid="u"),
+                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, job_uid="u")):
         assert selected.items() <= pod["metadata"]["labels"].items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selected}}]}]
-    other = builders.build_worker_pod("k", "ns", SPEC, 0, 1, key_secret="k-key")
+    other = builders.build_worker_pod("k", "ns", SPEC, 0, 1, key_secret="k-key", job_uid="u")
     assert not selected.items() <= other["metadata"]["labels"].items()
 
 

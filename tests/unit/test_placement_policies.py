@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from lazarus_core.allocation import allocate_replicas
 from lazarus_core.placement import compact, spread
 from lazarus_core.recovery import recovery_probability
-from lazarus_core.solver import place, plan_job
+from lazarus_core.solver import place, plan_job, replan
 from lazarus_core.topology import NodeSpec
 
 
@@ -108,3 +108,36 @@ def test_on_demand_nodes_hold_the_core_every_expert_relies_on():
     nodes += [NodeSpec(f"od{i}", 1, 4) for i in range(2)]
     plan = plan_job(nodes, 4, 1, 2, "mro")
     assert [n.name for n in plan.nodes[:2]] == ["od0", "od1"]
+
+
+@st.composite
+def mixed_clusters(draw):
+    n = draw(st.integers(2, 14))
+    nodes = [NodeSpec(f"n{i}", draw(st.integers(1, 4)), draw(st.integers(1, 4)),
+                      zone=f"z{draw(st.integers(0, 2))}",
+                      capacity_type=draw(st.sampled_from(["spot", "on-demand"])))
+             for i in range(n)]
+    slots = sum(x.slots for x in nodes)
+    experts = draw(st.integers(1, max(1, slots // 2)))
+    layers = draw(st.integers(1, 3))
+    loads = draw(st.none() | st.just([[1 / (e + 1 + li) for e in range(experts)]
+                                      for li in range(layers)]))
+    lost = draw(st.sets(st.sampled_from([x.name for x in nodes]), max_size=n - 1))
+    return nodes, experts, layers, loads, lost
+
+
+@settings(max_examples=40, deadline=None)
+@given(mixed_clusters())
+def test_mro_plans_and_replans_nodes_of_every_size(case):
+    # Nodes with different GPU and slot counts, zones and capacity types: every plan and
+    # re-plan validates (slots filled, replica counts, ranks), and a re-plan keeps a
+    # node's experts only where the node still exists.
+    nodes, experts, layers, loads, lost = case
+    plan = plan_job(nodes, experts, layers, 1, "mro", loads=loads, max_failures=2)
+    survivors = [x for x in nodes if x.name not in lost]
+    if sum(x.slots for x in survivors) < experts:
+        return
+    result = replan(plan, survivors, "NodeLost", {x.name for x in survivors}, loads,
+                    max_failures=2)
+    assert {x.name for x in result.plan.nodes} == {x.name for x in survivors}
+    assert all(t.source not in lost for t in result.migration.transfers)

@@ -62,6 +62,14 @@ def test_loads_file_per_expert(tmp_path):
     (["--nodes", "4", "--slots", "4", "--experts", "4", "--loads", "/nonexistent.json"], "--loads"),
     (["--nodes", "4", "--slots", "4", "--experts", "4", "--zones", "a,b"], "--zones"),
     (["--nodes", "4", "--slots", "4", "--experts", "4", "--policy", "best"], "--policy"),
+    # Sizes past what the solver is built for are refused at once, naming the limit.
+    (["--nodes", "16", "--slots", "999999999", "--experts", "4"], "--slots: at most 1,024"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--layers", "100000000"],
+     "--layers: at most 512"),
+    (["--nodes", "100000000", "--slots", "1", "--experts", "1"], "--nodes: at most 4,096"),
+    (["--nodes", "1024", "--slots", "1024", "--experts", "4", "--layers", "8"],
+     "--nodes x --slots x --layers: at most"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--zones", "20"], "--zones: must be 1..4"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_problem(args, field):
     out = lazarus("plan", *args)

@@ -51,3 +51,39 @@ def test_wrong_types_and_versions_are_rejected_before_use():
         Plan.from_dict(dict(_plan().to_dict(), generation="2"))
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.from_json("{")
+
+
+def test_compact_encoding_round_trips_and_the_reader_takes_both():
+    plan = _plan()
+    compact = plan.to_compact_json()
+    envelope = json.loads(compact)
+    assert envelope["version"] == SCHEMA_VERSION and envelope["encoding"] == "zlib+base64"
+    assert Plan.from_json(compact) == plan == Plan.from_json(plan.to_json())
+
+
+def test_a_large_plan_compresses_to_a_fraction_of_its_json():
+    nodes = [NodeSpec(f"node-{i:03d}", 8, 4, zone=f"z{i % 4}") for i in range(64)]
+    plan = plan_job(nodes, experts=64, layers=8, min_replicas=2, max_failures=0,
+                    loads=[[1 / (e + 1) for e in range(64)]] * 8)
+    assert len(plan.to_compact_json()) * 4 < len(plan.to_json())
+    assert Plan.from_json(plan.to_compact_json()) == plan
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"encoding": "gzip"}, "encoding"),
+    ({"data": "not base64!"}, "data"),
+    ({"data": "aGVsbG8="}, "data"),  # base64 of b"hello": not zlib
+    ({"version": "lazarus.dev/plan/v0"}, "version"),
+])
+def test_a_damaged_compact_plan_names_the_field(change, field):
+    envelope = dict(json.loads(_plan().to_compact_json()), **change)
+    with pytest.raises(PlanError) as err:
+        Plan.from_json(json.dumps(envelope))
+    assert err.value.violations[0].startswith(field)
+
+
+def test_expert_ids_out_of_range_are_named():
+    d = _plan().to_dict()
+    d["layers"][1]["placement"][3][0] = 99
+    with pytest.raises(PlanError, match=r"layers\[1\].placement\[3\]: expert ids must be in 0..5"):
+        Plan.from_dict(d)

@@ -25,10 +25,10 @@ def build(events):
 
 
 def jobs():
-    yield CheckpointRestart(MODEL, COSTS, 7, NODE, LOADS)
-    yield ElasticRestart(MODEL, COSTS, 7, NODE, LOADS)
+    yield CheckpointRestart(MODEL, COSTS, 7, NODE, 4, LOADS)
+    yield ElasticRestart(MODEL, COSTS, 7, NODE, 4, LOADS)
     for notices in (False, True):
-        yield Lazarus(MODEL, COSTS, 7, NODE, LOADS, min_replicas=2, rebalance_every=5,
+        yield Lazarus(MODEL, COSTS, 7, NODE, 4, LOADS, min_replicas=2, rebalance_every=5,
                       use_notices=notices)
 
 

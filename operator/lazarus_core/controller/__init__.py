@@ -15,7 +15,7 @@ observes again. This module is the package's public face: backends import from h
 """
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
 from .events import (Event, NodesJoined, NodesLost, Progress, RebalanceDue, SpecChanged,
-                     SpotNotice, Tick, observe)
+                     SpotNotice, Tick, WorkerFailed, observe)
 from .reasons import (INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN, SPEC_CHANGED,
                       SPOT_NOTICE, STALLED, SUCCEEDED)
 from .state import JobState, Settings, new_job
@@ -25,7 +25,7 @@ from .transitions import handle, handle_all, imbalance
 __all__ = [
     "Decision", "Outcome", "PublishPlan", "ReleaseWorkers", "Wait",
     "Event", "NodesJoined", "NodesLost", "Progress", "RebalanceDue", "SpecChanged",
-    "SpotNotice", "Tick", "observe",
+    "SpotNotice", "Tick", "WorkerFailed", "observe",
     "INITIAL", "NODE_JOINED", "NODE_LOST", "REBALANCE", "SCALE_DOWN", "SPEC_CHANGED",
     "SPOT_NOTICE", "STALLED", "SUCCEEDED",
     "JobState", "Settings", "new_job",

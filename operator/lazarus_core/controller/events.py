@@ -49,6 +49,18 @@ class Progress:
     experts_lost: int = 0
     # Checkpoint restores of the whole run so far.
     restores: int = 0
+    # Why the latest checkpoint was skipped (a storage fault; training went on), or None
+    # when it was written or none was due yet; and how many were skipped so far.
+    checkpoint_error: str | None = None
+    checkpoint_failures: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The worker on ``node`` exited with an error (a lost node is NodesLost): ``message``
+    is what it said last. Before its first completed step, it failed to start."""
+    node: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,8 @@ class Tick:
     """Time has passed; lets the core act on deadlines it asked for (``Outcome.retry_at``)."""
 
 
-Event = Union[NodesLost, SpotNotice, NodesJoined, Progress, RebalanceDue, SpecChanged, Tick]
+Event = Union[NodesLost, SpotNotice, NodesJoined, Progress, WorkerFailed, RebalanceDue,
+              SpecChanged, Tick]
 
 
 def observe(state: JobState, live: Sequence[NodeSpec], noticed: Iterable[str]) -> list[Event]:

@@ -17,6 +17,10 @@ class Settings:
     max_failures: int = 5
     # Publish the same nodes again when a plan has seen no progress for this long (0: never).
     stall_s: float = 0.0
+    # Workers that fail before their first step are replaced after this long, doubled for
+    # each further failure in a row, up to the maximum (no crash loop).
+    start_backoff_s: float = 2.0
+    start_backoff_max_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,16 @@ class JobState:
     restored_step: int | None = None
     experts_lost: int = 0
     restores: int = 0
+    checkpoint_error: str | None = None
+    checkpoint_failures: int = 0
+    # Nodes whose current worker completed a step: its failure there is a loss, not a
+    # failure to start.
+    proven: frozenset[str] = frozenset()
+    # Workers that failed before completing a step, in a row since a worker last proved
+    # itself; what the last one said; when the next may start.
+    start_failures: int = 0
+    start_error: str | None = None
+    start_retry_at: float | None = None
     # A non-urgent change waiting for the next step boundary (its plan reason).
     pending: str | None = None
     # When enough nodes for a first plan had joined (start grace).
@@ -70,9 +84,11 @@ class JobState:
         return self.plan is not None and any(
             n.name not in self.alive or n.name in self.departed for n in self.plan.nodes)
 
-    def missing_workers(self, starting: int = 0) -> int:
-        """Workers to start toward the target, given ``starting`` ones not yet up."""
-        if self.finished:
+    def missing_workers(self, starting: int = 0, now: float | None = None) -> int:
+        """Workers to start toward the target, given ``starting`` ones not yet up (none
+        while backing off from workers that failed to start)."""
+        if self.finished or (now is not None and self.start_retry_at is not None
+                             and now < self.start_retry_at):
             return 0
         usable = sum(1 for n in self.nodes if n.name not in self.noticed | self.draining)
         return max(0, self.spec.target_nodes - usable - starting)

@@ -58,6 +58,24 @@ def status(state: JobState, previous: Sequence[dict], now_iso: str,
     return out
 
 
+def _checkpoint_health(state: JobState) -> tuple[str, str, str]:
+    """Whether the latest checkpoint was written, as the workers reported it."""
+    ck = state.spec.checkpoint
+    if state.checkpoint_error is not None:
+        newest = (f"the newest complete one is step {state.checkpoint_step}"
+                  if state.checkpoint_step is not None else "no checkpoint is complete yet")
+        return ("False", "CheckpointWriteFailed",
+                f"{state.checkpoint_error}. Training goes on; {newest}. Check that "
+                f"spec.checkpoint.path ({ck.path}) is writable"
+                + (f" with the credentials of Secret {ck.secret_name}" if ck.secret_name
+                   else "") + f" ({state.checkpoint_failures} checkpoints skipped so far)")
+    if state.checkpoint_step is not None:
+        return ("True", "CheckpointWritten",
+                f"the checkpoint of step {state.checkpoint_step} was written to {ck.path}")
+    return ("Unknown", "NoCheckpointYet",
+            f"the first checkpoint is due at step {ck.every_steps}")
+
+
 def _percent(p: float) -> str:
     return f"{100 * p:.1f}%"
 
@@ -87,6 +105,12 @@ def conditions(state: JobState, previous: Sequence[dict], now_iso: str,
         ready = ("False", SUCCEEDED,
                  f"trained {state.step} steps (spec.steps is {spec.steps}); the workers "
                  f"have stopped")
+    elif state.start_failures and (plan is None or state.stale):
+        ready = ("False", "WorkerStartFailed",
+                 f"{state.start_failures} worker(s) in a row failed before completing a "
+                 f"step; the last one: {state.start_error}. New workers start with an "
+                 f"exponential backoff (at most {state.settings.start_backoff_max_s:.0f} s "
+                 f"apart); fix what it names (often spec.runtime or spec.template)")
     elif plan is None:
         ready = ("False", "WaitingForNodes",
                  f"{up} of {spec.fewest_nodes} needed nodes have a running worker; "
@@ -120,6 +144,8 @@ def conditions(state: JobState, previous: Sequence[dict], now_iso: str,
         restore = ("False", "AllExpertsSurvived",
                    "every expert kept a live replica through the latest reconfiguration")
     wanted = {"Ready": ready, "Reconfigured": reconf, "CheckpointRestored": restore}
+    if spec.checkpoint is not None:
+        wanted["CheckpointHealthy"] = _checkpoint_health(state)
     before = {c.get("type"): c for c in previous}
     out = []
     for ctype, (status_, reason, message) in wanted.items():

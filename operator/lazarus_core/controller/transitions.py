@@ -20,7 +20,7 @@ from ..solver import allocate_layers
 from ..topology import NodeSpec
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
 from .events import (Event, NodesJoined, NodesLost, Progress, RebalanceDue, SpecChanged,
-                     SpotNotice, Tick)
+                     SpotNotice, Tick, WorkerFailed)
 from .publishing import as_floats, choose, names, publish, usable, would_grow
 from .reasons import (INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN, SPEC_CHANGED,
                       SPOT_NOTICE, STALLED)
@@ -39,6 +39,8 @@ def handle(state: JobState, event: Event, now: float) -> Outcome:
         return _on_joined(state, event.nodes, now)
     if isinstance(event, Progress):
         return _on_progress(state, event, now)
+    if isinstance(event, WorkerFailed):
+        return _on_worker_failed(state, event, now)
     if isinstance(event, RebalanceDue):
         return _rebalance(state, now, force=True)
     if isinstance(event, SpecChanged):
@@ -59,11 +61,25 @@ def handle_all(state: JobState, events: Iterable[Event], now: float) -> Outcome:
         state = out.state
         decisions.extend(out.decisions)
         retry_at = out.retry_at
+    if state.start_retry_at is not None and state.start_retry_at > now:
+        retry_at = min(retry_at or state.start_retry_at, state.start_retry_at)
     # A Wait superseded by a later publication in the same batch is no longer true.
     if any(isinstance(d, PublishPlan) for d in decisions):
         last = max(i for i, d in enumerate(decisions) if isinstance(d, PublishPlan))
         decisions = [d for i, d in enumerate(decisions) if not (isinstance(d, Wait) and i < last)]
     return Outcome(state, tuple(decisions), retry_at)
+
+
+def _on_worker_failed(state: JobState, e: WorkerFailed, now: float) -> Outcome:
+    """A worker that failed before its first step is not replaced at once: the same cause
+    (a bad runtime section, an image that cannot run) would fail the next one too."""
+    if e.node in state.proven:
+        return Outcome(state)  # a worker that trained, lost: NodesLost re-plans around it
+    failures = state.start_failures + 1
+    s = state.settings
+    retry_at = now + min(s.start_backoff_s * 2 ** (failures - 1), s.start_backoff_max_s)
+    return Outcome(dataclasses.replace(state, start_failures=failures, start_error=e.message,
+                                       start_retry_at=retry_at), retry_at=retry_at)
 
 
 def _on_lost(state: JobState, lost: set[str], now: float) -> Outcome:
@@ -72,6 +88,7 @@ def _on_lost(state: JobState, lost: set[str], now: float) -> Outcome:
         return Outcome(state)
     state = dataclasses.replace(
         state,
+        proven=state.proven - lost,  # a worker there again must prove itself again
         nodes=tuple(n for n in state.nodes if n.name not in lost),
         noticed=state.noticed - lost,
         draining=state.draining - lost,
@@ -115,7 +132,9 @@ def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
         return Outcome(state)  # a late report from before the last one
     measured = dict(progress_generation=p.generation, progress_at=now,
                     experts_migrated=p.experts_migrated, restored_step=p.restored_step,
-                    experts_lost=p.experts_lost, restores=max(state.restores, p.restores))
+                    experts_lost=p.experts_lost, restores=max(state.restores, p.restores),
+                    checkpoint_error=p.checkpoint_error,
+                    checkpoint_failures=max(state.checkpoint_failures, p.checkpoint_failures))
     if state.spec.steps is not None and p.step >= state.spec.steps:
         return Outcome(dataclasses.replace(state, step=p.step, finished=True, pending=None,
                                            draining=frozenset(), **measured))
@@ -126,8 +145,14 @@ def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
     )
     decisions: list[Decision] = []
     if state.plan is not None and p.generation >= state.plan.generation:
-        # The workers finished a step under the current plan: every member adopted it.
-        state = dataclasses.replace(state, departed=frozenset())
+        # The workers finished a step under the current plan: every member adopted it, and
+        # every member started fine.
+        started = frozenset(n.name for n in state.plan.nodes)
+        newly = started - state.proven
+        state = dataclasses.replace(state, departed=frozenset(), proven=state.proven | started)
+        if newly and state.start_failures:  # a new worker started fine: the cause is gone
+            state = dataclasses.replace(state, start_failures=0, start_error=None,
+                                        start_retry_at=None)
         if state.draining:
             decisions.append(ReleaseWorkers(tuple(sorted(state.draining))))
             state = dataclasses.replace(state, draining=frozenset())

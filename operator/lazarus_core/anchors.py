@@ -1,0 +1,224 @@
+"""Anchors: the replicas that hold a placement's recovery; every other replica is free.
+
+The model is lost exactly when the failed nodes cover the node set of some (layer, expert),
+so only the minimal such node sets, the *cores*, decide recovery. Every expert's node set
+contains a core; one replica on each node of that core is the expert's *anchor*. Moving any
+other replica anywhere, even onto a node that already holds the expert, leaves a node set
+that still contains its core: the fatal failure sets stay the same or shrink, so recovery
+does not drop at any failure count. That freedom is what balancing and migration use
+(``balance.py``).
+
+Layers are aligned by anchoring every layer on one family of cores: the cores of the most
+fragile layer's placement. A layer whose replica counts, sorted, equal that layer's takes
+the same anchors expert by expert in popularity order; any other layer anchors each expert,
+coldest first, on the smallest core it can cover that still has room on every node, and
+only when none has opens a new core on the nodes with the most room left.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import replica_counts
+from .recovery import masks_of, minimal_rows, minimal_sets
+
+Placement = list[list[int]]
+
+
+@dataclass(frozen=True)
+class LayerAnchors:
+    """One layer: each expert's core (a node bitmask; 0 for an expert with no replica)."""
+
+    replicas: tuple[int, ...]
+    cores: tuple[int, ...]
+
+
+def anchored_replicas(layers: Sequence[LayerAnchors]) -> np.ndarray:
+    """One row (layer, node, expert) per anchored replica of every layer."""
+    cores = [c for a in layers for c in a.cores]
+    distinct, which = np.unique(np.array(cores, dtype=object), return_inverse=True)
+    n = max((int(c).bit_length() for c in distinct), default=0)
+    width = (n + 7) // 8
+    bits = np.zeros((len(distinct), n), dtype=bool)
+    for row, core in enumerate(distinct.tolist()):
+        packed = np.frombuffer(core.to_bytes(width, "little"), dtype=np.uint8)
+        bits[row] = np.unpackbits(packed, bitorder="little")[:n]
+    pair, node = np.nonzero(bits[which])  # pair = layer * experts + expert
+    experts = len(layers[0].cores) if layers else 1
+    return np.column_stack((pair // experts, node, pair % experts)).astype(np.int64)
+
+
+def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]],
+               largest: int | None = None) -> list[LayerAnchors]:
+    """Each layer's anchors: every expert on the smallest core its node set contains, the
+    cores being the minimal node sets over all the given layers (those of at most
+    ``largest`` nodes: an expert whose node set contains none has no core)."""
+    num_experts = len(replicas[0])
+    presence = [replica_counts(p, num_experts).T > 0 for p in placements]  # [expert, node]
+    every = np.concatenate(presence)
+    if largest is not None:
+        every = every[every.sum(axis=1) <= largest]
+    cores = minimal_rows(every)
+    sizes = cores.sum(axis=1)
+    masks = masks_of(cores) + [0]
+    out = []
+    for present, counts in zip(presence, replicas):
+        contained = present.astype(np.int32) @ cores.T.astype(np.int32) == sizes
+        # cores are sorted by size: the first one contained is the smallest
+        contained = np.concatenate((contained, np.ones((len(contained), 1), dtype=bool)), axis=1)
+        which = contained.argmax(axis=1)  # the last column (no core) when none is contained
+        out.append(LayerAnchors(tuple(counts), tuple(masks[i] for i in which.tolist())))
+    return out
+
+
+def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequence[int],
+          weights: Sequence[Sequence[float]], template_weights: Sequence[float], largest: int
+          ) -> list[LayerAnchors]:
+    """Anchors for every layer on ``template``'s cores (see the module docstring).
+
+    ``weights[l][e]`` is the load each replica of e carries: among experts with equal
+    replica counts, the heavier goes first and to the lighter core.
+    """
+    family = sorted({c for c in template.cores if c}, key=lambda m: (m.bit_count(), m))
+    template_rank = _ranked(template.replicas, template_weights)
+    template_sorted = [template.replicas[e] for e in template_rank]
+    out = []
+    for li, replicas in enumerate(layers):
+        experts = _ranked(replicas, weights[li])
+        if [replicas[e] for e in experts] == template_sorted:
+            cores = [0] * len(replicas)
+            for e, t in zip(experts, template_rank):
+                cores[e] = template.cores[t]
+            out.append(LayerAnchors(tuple(replicas), tuple(cores)))
+        else:
+            out.append(anchor_greedily(replicas, weights[li], family, slots, largest))
+    return out
+
+
+def _ranked(replicas: Sequence[int], weights: Sequence[float]) -> list[int]:
+    return sorted(range(len(replicas)), key=lambda e: (replicas[e], -weights[e], e))
+
+
+def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: Sequence[int],
+                    slots: Sequence[int], largest: int) -> LayerAnchors:
+    """Anchors for one layer: each expert, fewest replicas first, on the smallest of
+    ``family``'s cores that it can cover and that has room, or on a new core (the nodes with
+    the most room left) when none has; then balanced within (``balance_within``).
+
+    No core has more than ``largest`` nodes: on many nodes only small failure sets are
+    scored, and an expert anchored on that many nodes is never one of them.
+    """
+    anchors = _anchor(replicas, weights, sorted(family, key=_size_first), slots, largest)
+    return balance_within(anchors, weights, len(slots))
+
+
+def repair(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
+           previous: Sequence[Sequence[int]], holders: Sequence[Sequence[int]],
+           slots: Sequence[int], largest: int) -> list[LayerAnchors]:
+    """Anchors for every layer that keep each expert on its previous core where that core
+    survived (``previous[l][e]``, 0 if not) and still fits; the other experts go as in
+    ``anchor_greedily``, on the surviving cores first, and a new core prefers the nodes that
+    hold the expert already (``holders[l][e]``, a mask). New cores join the family that
+    later layers share."""
+    family = sorted({c for cores in previous for c in cores if c}, key=_size_first)
+    return [_anchor(r, w, family, slots, largest, p, h)
+            for r, w, p, h in zip(layers, weights, previous, holders)]
+
+
+def _size_first(mask: int) -> tuple[int, int]:
+    return mask.bit_count(), mask
+
+
+def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=None,
+            holders=None) -> LayerAnchors:
+    """The greedy of ``anchor_greedily``; ``family`` (sorted) grows with each new core.
+
+    Experts whose previous core still fits go first, so that the others cannot take the
+    room they need on it."""
+    n = len(slots)
+    room = list(slots)
+    full = 0
+    cores = [0] * len(replicas)
+    nodes = {}
+
+    def take(e: int, core: int) -> None:
+        nonlocal full
+        cores[e] = core
+        if core not in nodes:
+            nodes[core] = nodes_of(core)
+        for i in nodes[core]:
+            room[i] -= 1
+            if not room[i]:
+                full |= 1 << i
+
+    order = _ranked(replicas, weights)
+    if previous is not None:
+        for e in order:
+            core = previous[e]
+            if core and core.bit_count() <= min(replicas[e], n, largest) and not core & full:
+                take(e, core)
+    for e in order:
+        size = min(replicas[e], n, largest)
+        if size == 0 or cores[e]:
+            continue
+        held = holders[e] if holders is not None else 0
+        # The smallest core that fits; among those, the one holding most of e already.
+        core, smallest, most = None, 0, -1
+        for c in family:  # sorted by size
+            width = c.bit_count()
+            if width > size or (core is not None and width > smallest):
+                break
+            if not c & full and (c & held).bit_count() > most:
+                core, smallest, most = c, width, (c & held).bit_count()
+        if size == largest and held and (core is None or core & held != core):
+            # Anchored on ``largest`` nodes, e is never fatal at the failure counts scored:
+            # any of the nodes that hold it already will do, and nobody else needs them.
+            open_held = [i for i in nodes_of(held) if room[i]]
+            if len(open_held) >= size:
+                core = sum(1 << i for i in open_held[:size])
+                take(e, core)
+                continue
+        if core is None:
+            open_nodes = sorted((i for i in range(n) if room[i]),
+                                key=lambda i: (not held >> i & 1, -room[i], i))
+            core = sum(1 << i for i in open_nodes[:size])
+            family.append(core)
+            family.sort(key=_size_first)
+        take(e, core)
+    return LayerAnchors(tuple(replicas), tuple(cores))
+
+
+def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> LayerAnchors:
+    """The same cores, each with as many experts as before, but experts of one core size
+    dealt heaviest first to the core whose nodes carry the least anchored load.
+
+    Experts on cores of equal size can trade places without changing any node set's size
+    or any core's use, so the failure sets stay exactly the same.
+    """
+    load = [0.0] * n
+    cores = list(anchors.cores)
+    for size in sorted({c.bit_count() for c in cores if c}):
+        members = sorted((e for e, c in enumerate(cores) if c.bit_count() == size),
+                         key=lambda e: (-weights[e], e))
+        seats = Counter(cores[e] for e in members)
+        for e in members:
+            core = min((c for c, left in seats.items() if left),
+                       key=lambda c: (max(load[i] for i in nodes_of(c)), c))
+            seats[core] -= 1
+            cores[e] = core
+            for i in nodes_of(core):
+                load[i] += weights[e]
+    return LayerAnchors(anchors.replicas, tuple(cores))
+
+
+def nodes_of(mask: int) -> list[int]:
+    """Node positions in a bitmask, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out

@@ -1,0 +1,256 @@
+"""Balanced fill: which rank holds each replica, given the anchors that hold recovery.
+
+Algorithm 1 gives every replica of expert e the same share of its tokens, t_e / r_e, so a
+rank's expert work is the sum of that weight over its slots, and the busiest rank sets the
+pace of every step. Anchors (``anchors.py``) fix a node for some replicas; every other
+replica may go anywhere without lowering recovery. The fill:
+
+1. pins the anchors to their nodes, and on a re-plan also keeps each replica that the node
+   playing that position already holds (``reference``), as far as the new replica counts
+   and the node's slots allow, so migration only moves what must move;
+2. deals each node's pinned replicas over its ranks, heaviest first in snake order;
+3. hands the remaining replicas out in rounds, heaviest first, each round giving one
+   replica to every rank with a free slot, the heaviest to the least loaded;
+4. swaps replicas between busy and light ranks while that helps: anchors stay on their
+   node, kept replicas too unless the ranks are still more than ``BALANCE_TARGET`` apart.
+
+Ranks follow plan.py: slot s of a node belongs to its rank s // slots_per_rank.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+Placement = list[list[int]]
+
+# A busiest rank within 1% of the mean is not worth more swaps.
+BALANCED_ENOUGH = 1.01
+# On a re-plan, replicas a node already holds move for balance only while the busiest rank
+# is more than 5% above the mean: past that, a step costs more than the transfer.
+BALANCE_TARGET = 1.05
+# Work bounds of the swap rounds (they stop sooner once nothing gains).
+MAX_ROUNDS = 64
+PATIENCE = 4
+# Only the busiest ranks matter (the busiest sets the step time): pair this many at most.
+MAX_PAIRS = 64
+STALLED_ROUNDS = 8
+
+
+def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
+                weights: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
+                slots_per_rank: Sequence[int],
+                references: Sequence[np.ndarray] | None = None) -> list[Placement]:
+    """Every layer's placement: node position -> expert ids, one per slot, rank by rank.
+
+    ``anchored`` has one row (layer, node, expert) per anchored replica, and no
+    (layer, node, expert) twice; ``references[l][node, e]`` are the replicas of e that the
+    node at that position holds already. The layers are independent; doing them in one
+    batch saves the per-call cost of the array operations.
+    """
+    r = np.asarray(replicas, dtype=np.int64)  # [layer, expert]
+    w = np.asarray(weights, dtype=np.float64)
+    g = np.asarray(ranks_per_node, dtype=np.int64)
+    s = np.asarray(slots_per_rank, dtype=np.int64)
+    num_layers, num_experts = r.shape
+    n = len(g)
+    capacity = g * s
+    assert (r.sum(axis=1) == capacity.sum()).all(), "replicas must fill every slot"
+
+    # 1. Anchors, and on a re-plan what each node keeps.
+    layer_of, nodes, experts = (np.asarray(anchored, dtype=np.int64).reshape(-1, 3).T
+                                .astype(np.int64))
+    is_anchor = np.ones(len(layer_of), dtype=bool)
+    pinned_count = np.bincount(layer_of * num_experts + experts,
+                               minlength=num_layers * num_experts).reshape(num_layers, -1)
+    if references is not None:
+        kl, kn, ke, counts = _kept(references, layer_of, nodes, experts, r, capacity)
+        layer_of = np.concatenate((layer_of, np.repeat(kl, counts)))
+        nodes = np.concatenate((nodes, np.repeat(kn, counts)))
+        experts = np.concatenate((experts, np.repeat(ke, counts)))
+        is_anchor = np.concatenate((is_anchor, np.zeros(int(counts.sum()), dtype=bool)))
+        pinned_count += np.bincount(kl * num_experts + ke, weights=counts,
+                                    minlength=num_layers * num_experts).astype(
+                                        np.int64).reshape(num_layers, -1)
+
+    # 2. Pinned replicas onto their node's ranks, heaviest first, in snake order.
+    by_node = np.lexsort((experts, -w[layer_of, experts], nodes, layer_of))
+    layer_of, nodes, experts = layer_of[by_node], nodes[by_node], experts[by_node]
+    anchor = is_anchor[by_node]
+    group = layer_of * n + nodes
+    k = np.arange(len(group)) - np.searchsorted(group, group)
+    gi = g[nodes]
+    turn, pos = k // gi, k % gi
+    rank_base = np.concatenate(([0], np.cumsum(g)[:-1]))
+    num_ranks = int(g.sum())
+    ranks = layer_of * num_ranks + rank_base[nodes] + np.where(turn % 2 == 0, pos, gi - 1 - pos)
+
+    rank_slots = np.tile(np.repeat(s, g), num_layers)
+    load = np.bincount(ranks, weights=w[layer_of, experts], minlength=num_layers * num_ranks)
+    room = rank_slots - np.bincount(ranks, minlength=num_layers * num_ranks)
+
+    # 3. The rest in rounds: heaviest replicas to the least loaded ranks with room.
+    free = r - pinned_count
+    rest_layer = np.repeat(np.repeat(np.arange(num_layers), num_experts), free.ravel())
+    rest = np.repeat(np.tile(np.arange(num_experts), num_layers), free.ravel())
+    order = np.lexsort((rest, -w[rest_layer, rest], rest_layer))
+    rest_layer, rest = rest_layer[order], rest[order]
+    rest_start = np.searchsorted(rest_layer, np.arange(num_layers))
+    left = free.sum(axis=1)
+    rest_ranks = np.empty(len(rest), dtype=np.int64)
+    while left.any():
+        open_ranks = np.flatnonzero(room)
+        open_layer = open_ranks // num_ranks
+        open_ranks = open_ranks[np.lexsort((load[open_ranks] / rank_slots[open_ranks],
+                                            open_layer))]
+        open_layer = open_ranks // num_ranks
+        nth = np.arange(len(open_ranks)) - np.searchsorted(open_layer, open_layer)
+        take = nth < left[open_layer]
+        to, at_layer, nth = open_ranks[take], open_layer[take], nth[take]
+        item = rest_start[at_layer] + (free.sum(axis=1) - left)[at_layer] + nth
+        rest_ranks[item] = to
+        load[to] += w[at_layer, rest[item]]
+        room[to] -= 1
+        left -= np.bincount(at_layer, minlength=num_layers)
+
+    all_layer = np.concatenate((layer_of, rest_layer))
+    all_experts = np.concatenate((experts, rest))
+    all_ranks = np.concatenate((ranks, rest_ranks))
+    rank_node = np.tile(np.repeat(np.arange(n), g), num_layers)
+    loose = np.full(len(rest), -1)
+    homes = [(np.concatenate((nodes, loose)), BALANCED_ENOUGH)]
+    if references is not None:
+        # Still out of balance: kept replicas may move after all, each one a transfer.
+        homes.append((np.concatenate((np.where(anchor, nodes, -1), loose)), BALANCE_TARGET))
+    for home, enough in homes:
+        _exchange(all_ranks, w[all_layer, all_experts], home, rank_node, load, rank_slots,
+                  num_ranks, enough)
+    flat = all_experts[np.argsort(all_ranks, kind="stable")].reshape(num_layers, -1)
+    if (capacity == capacity[0]).all():  # every node alike: split by reshaping
+        return flat.reshape(num_layers, n, -1).tolist()
+    bounds = np.concatenate(([0], np.cumsum(capacity))).tolist()
+    return [[layer[bounds[i]:bounds[i + 1]] for i in range(n)] for layer in flat.tolist()]
+
+
+def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_node: np.ndarray,
+              load: np.ndarray, rank_slots: np.ndarray, num_ranks: int, enough: float) -> None:
+    """In every layer, pair its busiest ranks with lighter ones, and in every pair at once
+    make the one swap of two replicas that lowers the pair's larger load the most
+    (``ranks`` in place; ranks are numbered layer by layer, ``num_ranks`` to a layer).
+
+    Round t pairs a layer's i-th busiest rank with its (i + t)-th lightest, so a busy rank
+    meets other partners. A layer stops after ``PATIENCE`` rounds in a row gain nothing, or
+    ``STALLED_ROUNDS`` leave its busiest rank as it was, or once its busy ranks are within
+    ``enough`` times its mean. A replica pinned to a node (``home`` >= 0) only trades places
+    with replicas on that node; the others trade with any free replica.
+    """
+    num_layers = len(load) // num_ranks
+    order = np.argsort(ranks, kind="stable")
+    counts = np.bincount(ranks, minlength=len(load))
+    width = int(counts.max()) if len(counts) else 0
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    slot_of = np.full((len(load), width), -1, dtype=np.int64)
+    slot_of[ranks[order], np.arange(len(ranks)) - starts[ranks[order]]] = order
+    padded_w = np.append(weights, np.nan)
+    padded_home = np.append(home, -2)
+    layer_slots = rank_slots.reshape(num_layers, num_ranks).sum(axis=1)
+    half = num_ranks // 2
+    pairs = min(half, MAX_PAIRS)
+    if not pairs:
+        return
+    idle = np.zeros(num_layers, dtype=np.int64)
+    stalled = np.zeros(num_layers, dtype=np.int64)
+    busiest = np.full(num_layers, np.inf)
+    base = (np.arange(num_layers) * num_ranks)[:, None]
+    for t in range(MAX_ROUNDS):
+        per_slot = (load / rank_slots).reshape(num_layers, num_ranks)
+        top = per_slot.max(axis=1)
+        stalled = np.where(top >= busiest - 1e-12, stalled + 1, 0)
+        busiest = np.minimum(busiest, top)
+        mean = load.reshape(num_layers, num_ranks).sum(axis=1) / layer_slots
+        active = (idle < min(half, PATIENCE)) & (stalled < STALLED_ROUNDS) & (
+            top > enough * mean)
+        if not active.any():
+            return
+        by_load = np.argsort(per_slot, axis=1, kind="stable")
+        heavy = (by_load[:, ::-1][:, :pairs] + base)
+        light = (by_load[:, (np.arange(pairs) + t) % half] + base)
+        busy = (per_slot.ravel()[heavy] > (enough * mean)[:, None]) & active[:, None]
+        heavy, light = heavy[busy], light[busy]
+        xh, xl = slot_of[heavy], slot_of[light]
+        d = padded_w[xh][:, :, None] - padded_w[xl][:, None, :]
+        hh, hl = padded_home[xh][:, :, None], padded_home[xl][:, None, :]
+        node = rank_node[heavy][:, None, None]
+        same = node == rank_node[light][:, None, None]
+        ok = (d > 0) & (((hh == -1) & (hl == -1))
+                        | (same & ((hh == -1) | (hh == node)) & ((hl == -1) | (hl == node))))
+        after = np.maximum((load[heavy][:, None, None] - d) / rank_slots[heavy][:, None, None],
+                           (load[light][:, None, None] + d) / rank_slots[light][:, None, None])
+        after = np.where(ok, after, np.inf).reshape(len(heavy), -1)
+        pick = np.argmin(after, axis=1)
+        gain = after[np.arange(len(heavy)), pick] < load[heavy] / rank_slots[heavy] - 1e-12
+        gained = np.bincount(heavy[gain] // num_ranks, minlength=num_layers) > 0
+        idle = np.where(active & ~gained, idle + 1, np.where(gained, 0, idle))
+        heavy, light, pick = heavy[gain], light[gain], pick[gain]
+        a, b = pick // width, pick % width
+        x, y = slot_of[heavy, a], slot_of[light, b]
+        delta = weights[x] - weights[y]
+        load[heavy] -= delta
+        load[light] += delta
+        ranks[x], ranks[y] = light, heavy
+        slot_of[heavy, a], slot_of[light, b] = y, x
+
+
+def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndarray,
+          experts: np.ndarray, replicas: np.ndarray, capacity: np.ndarray):
+    """Replicas each node keeps from ``references`` (per layer, [node, expert]) besides its
+    anchors (one row per anchor in ``layer_of``, ``nodes``, ``experts``): no more per
+    expert than the new count leaves after the anchors, no more per node than its slots
+    left after its anchors, nodes in order. As (layer, node, expert, count) arrays; only
+    what a node holds is looked at, not every (node, expert) pair."""
+    num_layers, num_experts = replicas.shape
+    n = len(capacity)
+    held = [np.nonzero(ref) for ref in references]
+    kl = np.concatenate([np.full(len(hn), li) for li, (hn, _) in enumerate(held)])
+    kn = np.concatenate([hn for hn, _ in held])
+    ke = np.concatenate([he for _, he in held])
+    count = np.concatenate([ref[hn, he] for ref, (hn, he) in zip(references, held)])
+    # Take out the anchor (at most one per layer, node, expert).
+    anchored = np.sort((layer_of * n + nodes) * num_experts + experts)
+    key = (kl * n + kn) * num_experts + ke
+    at = np.minimum(np.searchsorted(anchored, key), max(len(anchored) - 1, 0))
+    spare = count - (anchored[at] == key if len(anchored) else 0)
+    # Per expert: keep in node order while the count left after the anchors allows.
+    free = (replicas.ravel() - np.bincount(layer_of * num_experts + experts,
+                                           minlength=num_layers * num_experts))
+    order = np.lexsort((kn, ke, kl))
+    kept = np.zeros(len(spare), dtype=np.int64)
+    kept[order] = _take_in_turn(spare[order], (kl * num_experts + ke)[order],
+                                free[(kl * num_experts + ke)[order]])
+    # Per node (nonzero gives them in layer, node, expert order): what its slots allow.
+    room = (np.tile(capacity, num_layers) - np.bincount(layer_of * n + nodes,
+                                                        minlength=num_layers * n))
+    kept = _take_in_turn(kept, kl * n + kn, room[kl * n + kn])
+    keep = kept > 0
+    return kl[keep], kn[keep], ke[keep], kept[keep]
+
+
+def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """Within each run of equal ``group`` values, take ``amount`` in order until that
+    group's ``limit`` (given per element) is used up."""
+    total = np.cumsum(amount)
+    before = total - amount
+    first = np.ones(len(group), dtype=bool)
+    first[1:] = group[1:] != group[:-1]
+    start = before[np.maximum.accumulate(np.where(first, np.arange(len(group)), 0))]
+    return np.clip(limit - (before - start), 0, amount)
+
+
+def rank_loads(placement: Placement, weights: Sequence[float],
+               slots_per_rank: Sequence[int]) -> list[float]:
+    """Expert work per rank, rank by rank in node order."""
+    out = []
+    for experts, c in zip(placement, slots_per_rank):
+        for i in range(0, len(experts), c):
+            out.append(sum(weights[e] for e in experts[i:i + c]))
+    return out
