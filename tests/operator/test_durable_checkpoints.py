@@ -227,7 +227,7 @@ def own_reference(stack: Stack, runtime: dict, steps: int) -> list[float]:
 def test_two_jobs_with_one_checkpoint_path_each_restore_their_own(cluster, stack, neighbour,
                                                                   scratch_nodes):
     shared = stack.tmp / "shared-ckpt"  # both jobs name it; both are called e2e, too
-    tiny = {"model": "tiny", "experts": 4, "layers": 2, "topK": 2, "learningRate": "3e-3"}
+    tiny = {"model": "tiny", "experts": 4, "layers": 2, "topK": 2, "learningRate": "0.003"}
     b = neighbour.stack
     jobs = {"a": (stack, scratch_nodes, tiny | {"seed": 0}),
             "b": (b, neighbour.nodes, tiny | {"seed": 1})}  # different weights, losses
