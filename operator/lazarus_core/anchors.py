@@ -103,15 +103,20 @@ def _ranked(replicas: Sequence[int], weights: Sequence[float]) -> list[int]:
 
 
 def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: Sequence[int],
-                    slots: Sequence[int], largest: int) -> LayerAnchors:
+                    slots: Sequence[int], largest: int, sharing: int | None = None
+                    ) -> LayerAnchors:
     """Anchors for one layer: each expert, fewest replicas first, on the smallest of
     ``family``'s cores that it can cover and that has room, or on a new core (the nodes with
     the most room left) when none has; then balanced within (``balance_within``).
 
     No core has more than ``largest`` nodes: on many nodes only small failure sets are
-    scored, and an expert anchored on that many nodes is never one of them.
+    scored, and an expert anchored on that many nodes is never one of them. No core anchors
+    more than ``sharing`` experts, when given: the cold experts then spread over more cores,
+    which costs fatal sets but leaves their nodes room for heavier replicas (``mro.py``
+    trades so when the ranks cannot be balanced otherwise).
     """
-    anchors = _anchor(replicas, weights, sorted(family, key=_size_first), slots, largest)
+    anchors = _anchor(replicas, weights, sorted(family, key=_size_first), slots, largest,
+                      sharing=sharing)
     return balance_within(anchors, weights, len(slots))
 
 
@@ -133,7 +138,7 @@ def _size_first(mask: int) -> tuple[int, int]:
 
 
 def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=None,
-            holders=None) -> LayerAnchors:
+            holders=None, sharing: int | None = None) -> LayerAnchors:
     """The greedy of ``anchor_greedily``; ``family`` (sorted) grows with each new core.
 
     Experts whose previous core still fits go first, so that the others cannot take the
@@ -143,13 +148,17 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
     full = 0
     cores = [0] * len(replicas)
     nodes = {}
+    users = Counter()
+    load = [0.0] * n
 
     def take(e: int, core: int) -> None:
         nonlocal full
         cores[e] = core
+        users[core] += 1
         if core not in nodes:
             nodes[core] = nodes_of(core)
         for i in nodes[core]:
+            load[i] += weights[e]
             room[i] -= 1
             if not room[i]:
                 full |= 1 << i
@@ -171,7 +180,8 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
             width = c.bit_count()
             if width > size or (core is not None and width > smallest):
                 break
-            if not c & full and (c & held).bit_count() > most:
+            if (not c & full and (c & held).bit_count() > most
+                    and (sharing is None or users[c] < sharing)):
                 core, smallest, most = c, width, (c & held).bit_count()
         if size == largest and held and (core is None or core & held != core):
             # Anchored on ``largest`` nodes, e is never fatal at the failure counts scored:
@@ -181,14 +191,37 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
                 core = sum(1 << i for i in open_held[:size])
                 take(e, core)
                 continue
+        if core is None and sharing is not None:
+            core = _superset(family, size, full, room, load)
         if core is None:
             open_nodes = sorted((i for i in range(n) if room[i]),
                                 key=lambda i: (not held >> i & 1, -room[i], i))
             core = sum(1 << i for i in open_nodes[:size])
+        if core not in family:
             family.append(core)
             family.sort(key=_size_first)
         take(e, core)
     return LayerAnchors(tuple(replicas), tuple(cores))
+
+
+def _superset(family: Sequence[int], size: int, full: int, room: Sequence[int],
+              load: Sequence[float]) -> int | None:
+    """A new core of ``size`` nodes made of family cores with room, smallest first, so that
+    it adds no fatal set of its own and keeps the nodes outside the family for the heavier
+    free replicas; completed with the least loaded nodes that have room."""
+    core = 0
+    for c in family:
+        if c & full or c & core == c or c.bit_count() >= size:
+            continue
+        if (core | c).bit_count() <= size:
+            core |= c
+    if not core:
+        return None
+    others = sorted((i for i in range(len(room)) if room[i] and not core >> i & 1),
+                    key=lambda i: (load[i], -room[i], i))
+    if len(others) < size - core.bit_count():
+        return None
+    return core | sum(1 << i for i in others[:size - core.bit_count()])
 
 
 def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> LayerAnchors:

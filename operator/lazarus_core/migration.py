@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .anchors import LayerAnchors, anchored_replicas
 from .plan import Plan, Transfer, replica_counts
 from .topology import NodeSpec
 
@@ -58,8 +59,16 @@ def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement])
 
 
 def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.ndarray:
-    return np.array([[a.zone == b.zone and a.slots == b.slots for b in positions]
-                     for a in nodes], dtype=bool)
+    a, b = _shapes(nodes, positions)
+    return a[:, None] == b[None, :]
+
+
+def _shapes(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]):
+    """One code per node and per position: equal codes may play each other (zone, slots,
+    GPUs)."""
+    codes: dict = {}
+    return tuple(np.array([codes.setdefault((n.zone, n.slots, n.gpus), len(codes)) for n in side],
+                          dtype=np.int64) for side in (nodes, positions))
 
 
 def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],
@@ -76,6 +85,51 @@ def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[
     for r, c in zip(rows, cols):
         mapping[c] = r
     return mapping
+
+
+def map_anchors(anchors: Sequence[LayerAnchors], ordered: Sequence[NodeSpec],
+                references: Sequence[np.ndarray]) -> list[NodeSpec]:
+    """``ordered`` with its nodes reassigned to positions so that the anchors land on the
+    nodes that hold those experts already.
+
+    A fresh structure is built on positions without regard to what nodes hold; any
+    assignment of nodes of the same zone and shape to its positions recovers and balances
+    exactly alike. Greedily, the (node, position) pair that keeps the most anchors first
+    (``references[l][position, e]``: what the node at each position holds now). Not the
+    optimal assignment: scipy's would cost the operator 38 MiB, and on the paper's setting
+    the greedy one moves as little (docs/placement.md).
+    """
+    n, experts = len(ordered), len(anchors[0].cores)
+    rows = anchored_replicas(anchors)  # (layer, position, expert)
+    held_layer, held_at, held_expert = np.nonzero(np.stack(references) > 0)
+    # Pair every anchor with every holder of its (layer, expert): gain[holder, position].
+    anchor_key = rows[:, 0] * experts + rows[:, 2]
+    held_key = held_layer * experts + held_expert
+    order = np.argsort(held_key, kind="stable")
+    held_key, held_at = held_key[order], held_at[order]
+    first = np.searchsorted(held_key, anchor_key)
+    count = np.searchsorted(held_key, anchor_key, side="right") - first
+    anchor = np.repeat(np.arange(len(rows)), count)
+    nth = np.arange(len(anchor)) - np.repeat(np.cumsum(count) - count, count)
+    holder = held_at[first[anchor] + nth]
+    gain = np.bincount(holder * n + rows[anchor, 1], minlength=n * n).reshape(n, n)
+    gain[~_compatible(ordered, ordered)] = 0
+    node_of = [-1] * n
+    placed = [False] * n
+    pairs = np.flatnonzero(gain)
+    for flat in pairs[np.argsort(-gain.ravel()[pairs], kind="stable")].tolist():
+        i, q = divmod(flat, n)
+        if not placed[i] and node_of[q] < 0:
+            node_of[q], placed[i] = i, True
+    shape = _shapes(ordered, ordered)[0].tolist()
+    left: dict[int, list[int]] = {}
+    for i in range(n):
+        if not placed[i]:
+            left.setdefault(shape[i], []).append(i)
+    for q in range(n):
+        if node_of[q] < 0:
+            node_of[q] = left[shape[q]].pop(0)
+    return [ordered[i] for i in node_of]
 
 
 def map_nodes_greedy(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],

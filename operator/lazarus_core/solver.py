@@ -8,7 +8,7 @@ import numpy as np
 
 from .allocation import allocate_replicas
 from .anchors import anchors_of, nodes_of
-from .migration import Migration, map_nodes_optimal, plan_transfers
+from .migration import Migration, map_anchors, map_nodes_optimal, plan_transfers
 from .mro import largest_core, mro, place_anchored, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
@@ -67,21 +67,25 @@ def allocate_layers(loads: Sequence[Sequence[float]] | None, layers: int, expert
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
              policy: str = "mro", loads: Sequence[Sequence[float]] | None = None,
              generation: int = 1, reason: str = "Initial",
-             max_failures: int = DEFAULT_MAX_FAILURES) -> Plan:
-    """A complete plan: replicas per layer from the loads, placed by ``policy``."""
-    ordered, replicas, placements = layout(nodes, experts, layers, min_replicas, policy, loads)
+             max_failures: int = DEFAULT_MAX_FAILURES, balance_first: bool = True) -> Plan:
+    """A complete plan: replicas per layer from the loads, placed by ``policy``.
+
+    ``balance_first`` (MRO) gives up recovery beyond one failed node where that brings the
+    ranks within ``balance.BALANCE_TARGET`` of the mean (docs/placement.md)."""
+    ordered, replicas, placements = layout(nodes, experts, layers, min_replicas, policy, loads,
+                                           balance_first)
     return build_plan(ordered, replicas, placements, experts, min_replicas, policy,
                       generation, reason, max_failures)
 
 
 def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
-           policy: str, loads: Sequence[Sequence[float]] | None):
+           policy: str, loads: Sequence[Sequence[float]] | None, balance_first: bool = True):
     """Node order, replicas per layer and placements: a plan before it has node identities."""
     ordered, replicas = _positions(nodes, experts, layers, min_replicas, loads)
     slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
     if policy != "mro":
         return ordered, replicas, place(policy, replicas, slots)
-    anchors = structure(replicas, slots, loads, gpus)
+    anchors = structure(replicas, slots, loads, gpus, balance_first=balance_first)
     weights = loads if loads is not None else [[1.0] * experts] * layers
     return ordered, [list(a.replicas) for a in anchors], place_anchored(anchors, slots, weights,
                                                                       gpus, None)
@@ -171,6 +175,8 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         references = _references(old, ordered, sources)
         holders = [masks_of(ref.T > 0) for ref in references]
         anchors = structure(replicas, slots, loads, gpus, surviving_cores(old, ordered), holders)
+        ordered = map_anchors(anchors, ordered, references)
+        references = _references(old, ordered, sources)
         replicas = [list(a.replicas) for a in anchors]
         weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
         placements = place_anchored(anchors, slots, weights, gpus, references)

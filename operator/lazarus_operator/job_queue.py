@@ -2,12 +2,13 @@
 
 Events that arrive during a pass coalesce into one more pass after it (``request``), which
 keeps a burst of pod events from becoming a burst of re-plans. Each job also gets a
-settling window for node changes, a retry at the deadline the controller asked for, and a
+settling window for node changes (a pass once they pause, see ``request_when_quiet``), a retry at the deadline the controller asked for, and a
 periodic pass (the heartbeat), each a one-shot timer that is replaced, never stacked.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ class _Entry:
     dirty: bool = False
     running: bool = False
     timers: dict[str, threading.Timer] = field(default_factory=dict)
+    # When the changes a pending quiet timer gathers began (see ``request_when_quiet``).
+    first_change: dict[str, float] = field(default_factory=dict)
 
 
 class JobQueue:
@@ -54,11 +57,9 @@ class JobQueue:
             raise
 
     def request_after(self, namespace: str, name: str, delay: float, kind: str, *,
-                      keep_pending: bool = False,
                       before: Callable[[], None] = lambda: None) -> None:
         """A pass in ``delay`` seconds, as the one timer of this ``kind``: it replaces a
-        pending one, or with ``keep_pending`` leaves it be (so that a stream of changes
-        cannot keep postponing the pass). ``before`` runs first, on the timer's thread."""
+        pending one. ``before`` runs first, on the timer's thread."""
         entry = self._entry((namespace, name))
 
         def fire() -> None:
@@ -68,10 +69,33 @@ class JobQueue:
         with entry.guard:
             pending = entry.timers.get(kind)
             if pending is not None and pending.is_alive():
-                if keep_pending:
-                    return
                 pending.cancel()
             timer = threading.Timer(max(0.0, delay), fire)
+            timer.daemon = True
+            entry.timers[kind] = timer
+            timer.start()
+
+    def request_when_quiet(self, namespace: str, name: str, quiet: float, longest: float,
+                           kind: str) -> None:
+        """A pass once no change of this ``kind`` came for ``quiet`` seconds, and at the
+        latest ``longest`` seconds after the first change it gathers (so that a stream of
+        changes cannot keep postponing the pass)."""
+        entry = self._entry((namespace, name))
+
+        def fire() -> None:
+            with entry.guard:
+                if entry.timers.get(kind) is not timer:
+                    return  # replaced by a later change while it was due
+                entry.first_change.pop(kind, None)
+            self.request(namespace, name)
+
+        with entry.guard:
+            now = time.monotonic()
+            first = entry.first_change.setdefault(kind, now)
+            pending = entry.timers.get(kind)
+            if pending is not None:
+                pending.cancel()
+            timer = threading.Timer(max(0.0, min(now + quiet, first + longest) - now), fire)
             timer.daemon = True
             entry.timers[kind] = timer
             timer.start()

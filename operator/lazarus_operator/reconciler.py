@@ -37,8 +37,10 @@ from .rebuild import rebuild_state
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, job name)
-# How long node changes are gathered before a re-plan (see ``request_settled``).
-NODE_SETTLE_S = 0.2
+# Node changes are gathered into one re-plan until none came for NODE_QUIET_S, for at most
+# NODE_SETTLE_S after the first (see ``request_settled``).
+NODE_QUIET_S = 0.2
+NODE_SETTLE_S = 1.0
 # A pass with a full list of the job's pods and nodes runs at least this often.
 RELIST_S = 10.0
 
@@ -66,10 +68,13 @@ class Reconciler:
         self.queue.request(namespace, name)
 
     def request_settled(self, namespace: str, name: str) -> None:
-        """Reconcile after ``NODE_SETTLE_S``: a reclaim takes many nodes within a fraction of
-        a second, and one plan for all of them beats a plan per node. The window starts at
-        the first change, so a stream of changes cannot postpone the pass."""
-        self.queue.request_after(namespace, name, NODE_SETTLE_S, "settle", keep_pending=True)
+        """Reconcile once node changes pause for ``NODE_QUIET_S``, at most ``NODE_SETTLE_S``
+        after the first: a reclaim takes many nodes within a second, and the API server
+        delivers their deletions over its course (on a loaded control plane, up to a second
+        for 52 nodes: bench_operator_replan.py). A pass on the first few would publish a plan
+        that still holds the others, and its pod replacements would hold back the plan
+        without them by seconds; one plan for all of them is what training can use."""
+        self.queue.request_when_quiet(namespace, name, NODE_QUIET_S, NODE_SETTLE_S, "settle")
 
     def node_changed(self, node: dict | None, name: str) -> list[Key]:
         """Update the node cache; the jobs whose workers this change concerns."""

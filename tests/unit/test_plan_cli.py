@@ -83,3 +83,19 @@ def test_malformed_loads_file(tmp_path):
     bad.write_text('{"expert": 1}')
     out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads", str(bad))
     assert out.returncode == 2 and "--loads" in out.stderr
+
+
+def test_recovery_first_keeps_the_fatal_pairs_that_balance_trades(tmp_path):
+    # The paper's setting with each layer's hot expert rotated (bench_solver.py): ranks
+    # within 5% of the mean need a third fatal pair of nodes, which the paper's MRO has too
+    # (0.933 with 2 nodes lost); --recovery-first keeps two (0.956).
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps([[1 / ((e + l) % 16 + 1) for e in range(16)]
+                                 for l in range(12)]))
+    args = ["plan", "--nodes", "10", "--slots", "6", "--experts", "16", "--layers", "12",
+            "--loads", str(loads), "--failures", "2", "--json"]
+    balanced, recovery_first = lazarus(*args), lazarus(*args, "--recovery-first")
+    assert balanced.returncode == 0 and recovery_first.returncode == 0, balanced.stderr
+    pairs = [round((1 - json.loads(out.stdout)["recovery"]["2"]) * 45)
+             for out in (balanced, recovery_first)]
+    assert pairs == [3, 2]
