@@ -32,10 +32,6 @@ trap 'exit 130' INT TERM
 
 kubectl apply -f helm/lazarus/crds/ >/dev/null
 kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-# The chart's worker ServiceAccount and role in the namespace (the operator runs here, not
-# from the chart: it is a local process).
-helm template lazarus-demo helm/lazarus --namespace "$ns" --set "workers.namespaces={$ns}" \
-  --show-only templates/rbac-workers.yaml | kubectl apply -f - >/dev/null
 port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 lazarus-operator --namespace "$ns" --standalone --metrics-port 0 --liveness= \
   --coordinator-port "$port" > "$work/operator.log" 2>&1 &

@@ -92,10 +92,8 @@ def run(args) -> int:
                          f"worker-0 .. worker-{len(nodes) - 1}, and their ranks worker-N/0 .. "
                          f"worker-N/{spec.gpus_per_node - 1}")
 
-    from lazarus_core.runtime_config import RuntimeConfig
     from lazarus_runtime.local_backend import LocalJob
 
-    RuntimeConfig.from_manifest(dict(spec.runtime))  # a bad runtime section fails here, once
     checkpoint_dir = None
     if spec.checkpoint:
         # A fresh directory per run: a restore must never pick up another run's weights.

@@ -1,12 +1,15 @@
 """The LazarusJob spec: parsed and checked once, for the operator and the local backend alike.
 
 The CRD's schema and CEL rules reject most bad specs at admission, but the local backend has
-no API server, and some rules cannot be written in the schema (resource quantities, for
-example). So every rule lives here too, and each violation names the manifest field, says
-what is wrong and how to fix it, and carries a CamelCase reason for a status condition.
+no API server, and some rules cannot be written in the schema (the named model's sizes, the
+memory a rank needs). So every rule lives here too: ``spec.runtime`` is checked by the
+workers' own parser (runtime_config.py), what goes into pods by pod_template.py, and each
+violation names the manifest field, says what is wrong and how to fix it, and carries a
+CamelCase reason for a status condition. tests/operator/test_bad_specs.py runs the same bad
+specs through this parser and the real API server, and checks that they agree.
 
-Defaults here must equal the CRD's ``default:`` values; tests/unit/test_job_spec.py checks
-that they do.
+Defaults and bounds here must equal the CRD's ``default:``, ``minimum:`` and ``maximum:``
+values; tests/unit/test_job_spec.py checks that they do.
 """
 from __future__ import annotations
 
@@ -15,8 +18,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from . import kube_names
 from .checkpoint_location import KEEP_DEFAULT, KEEP_MAX, KEEP_MIN, path_problem
 from .plan import POLICIES
+from .pod_template import check_coordinator, check_template
+from .runtime_config import (MODEL_LIMITS, TRAINING_BYTES_PER_PARAMETER, RuntimeConfig,
+                             split_error)
+# The parser's vocabulary, for its callers: one import gives the parser and its errors.
+from .spec_reader import SpecError, SpecReader, Violation  # noqa: F401
 
 API_VERSION = "lazarus.dev/v1alpha1"
 KIND = "LazarusJob"
@@ -45,31 +54,20 @@ DEFAULTS = {
     "checkpointKeep": KEEP_DEFAULT,
 }
 
-_GPU_RESOURCE = "nvidia.com/gpu"
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-
-
-@dataclass(frozen=True)
-class Violation:
-    field: str  # manifest path, e.g. "spec.maxNodes"
-    reason: str  # CamelCase, for a status condition
-    message: str  # names the field and the fix
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
-
-
-class SpecError(ValueError):
-    """A spec that can never run; ``violations`` lists every problem, each naming its field."""
-
-    def __init__(self, violations: list[Violation]):
-        self.violations = violations
-        super().__init__("; ".join(str(v) for v in violations))
-
-    @property
-    def reason(self) -> str:
-        return self.violations[0].reason
+# (minimum, maximum) of each integer field of ``spec``. 10,000 nodes is twice the largest
+# cluster Kubernetes supports (5,000 nodes); a billion steps is decades of training.
+LIMITS = {
+    "minNodes": (1, 10000), "maxNodes": (1, 10000), "replicas": (1, 10000),
+    "gpusPerNode": (1, 64), "slotsPerGpu": (1, 256), "minReplicas": (1, 64),
+    "rebalanceEverySteps": (0, 10**9), "rebalanceMinGainPercent": (0, 100),
+    "steps": (1, 10**9),
+}
+# Pod and Service names are derived from the job's ("<job>-coordinator", "<job>-worker-N");
+# 40 characters leave room for the longest suffix within a 63-character DNS label.
+MAX_NAME_LENGTH = 40
+# The most memory of any accelerator (AMD MI355X and NVIDIA B300: 288 GB of HBM3E, 2025).
+# A rank whose training state alone exceeds it fits no node.
+MAX_RANK_BYTES = 288 * 2**30
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,8 @@ class JobSpec:
 
 
 def parse_manifest(doc: object) -> tuple[str, JobSpec]:
-    """(name, spec) of a whole LazarusJob document, as `kubectl apply` or `lazarus run` read it."""
+    """(name, spec) of a whole LazarusJob document, as `kubectl apply`, `lazarus run` or the
+    operator (the object the API server holds) read it."""
     if not isinstance(doc, Mapping):
         raise SpecError([Violation("", "InvalidManifest", "the manifest must be a YAML object")])
     problems = []
@@ -135,11 +134,12 @@ def parse_manifest(doc: object) -> tuple[str, JobSpec]:
             f"{doc.get('apiVersion')!r} and {doc.get('kind')!r}"))
     meta = doc.get("metadata")
     name = meta.get("name") if isinstance(meta, Mapping) else None
-    if not isinstance(name, str) or not _DNS_LABEL.match(name) or len(name) > 40:
+    why = (kube_names.dns_1035_label(name, MAX_NAME_LENGTH) if isinstance(name, str)
+           else "is required")
+    if why:
         problems.append(Violation(
             "metadata.name", "InvalidName",
-            "must be a DNS label of at most 40 characters (lower case letters, digits, '-'), "
-            "because pod and ConfigMap names are derived from it"))
+            f"{why}; the job's pod and Service names are derived from it"))
     try:
         spec = parse_spec(doc.get("spec"))
     except SpecError as e:
@@ -151,37 +151,36 @@ def parse_manifest(doc: object) -> tuple[str, JobSpec]:
 
 def parse_spec(spec: object) -> JobSpec:
     """A checked JobSpec from a manifest's ``spec``, or SpecError listing every violation."""
-    p = _Reader()
+    p = SpecReader()
     if not isinstance(spec, Mapping):
         raise SpecError([Violation("spec", "InvalidSpec", "must be an object")])
     runtime = spec.get("runtime", {})
     if not isinstance(runtime, Mapping):
         p.bad("spec.runtime", "InvalidRuntime", "must be an object of runtime arguments")
         runtime = {}
-    experts = p.integer(runtime, "spec.runtime", "experts", None, minimum=1)
-    layers = p.integer(runtime, "spec.runtime", "layers", None, minimum=1)
-    top_k = p.integer(runtime, "spec.runtime", "topK", 1, minimum=1)
-    if experts and top_k and top_k > experts:
-        p.bad("spec.runtime.topK", "InvalidRuntime",
-              f"{top_k} exceeds the number of experts ({experts}); lower topK")
-    min_nodes = p.integer(spec, "spec", "minNodes", None, minimum=1)
-    max_nodes = p.integer(spec, "spec", "maxNodes", None, minimum=1)
-    replicas = p.integer(spec, "spec", "replicas", max_nodes, minimum=1)
-    gpus = p.integer(spec, "spec", "gpusPerNode", DEFAULTS["gpusPerNode"], minimum=1)
-    slots = p.integer(spec, "spec", "slotsPerGpu", DEFAULTS["slotsPerGpu"], minimum=1)
-    f = p.integer(spec, "spec", "minReplicas", DEFAULTS["minReplicas"], minimum=1)
+    # Placement needs these two, so the spec must say them even where a named model would.
+    experts = p.integer(runtime, "spec.runtime", "experts", None, minimum=1,
+                        maximum=MODEL_LIMITS["experts"])
+    layers = p.integer(runtime, "spec.runtime", "layers", None, minimum=1,
+                       maximum=MODEL_LIMITS["layers"])
+    min_nodes = _bounded(p, spec, "minNodes", None)
+    max_nodes = _bounded(p, spec, "maxNodes", None)
+    # Desired nodes default to maxNodes; with maxNodes invalid, only its own error shows.
+    replicas = (_bounded(p, spec, "replicas", max_nodes)
+                if "replicas" in spec or max_nodes else None)
+    gpus = _bounded(p, spec, "gpusPerNode", DEFAULTS["gpusPerNode"])
+    slots = _bounded(p, spec, "slotsPerGpu", DEFAULTS["slotsPerGpu"])
+    f = _bounded(p, spec, "minReplicas", DEFAULTS["minReplicas"])
     policy = spec.get("placement", DEFAULTS["placement"])
     if policy not in POLICIES:
         p.bad("spec.placement", "InvalidPlacement",
               f"must be one of {', '.join(POLICIES)}, got {policy!r}")
-    every = p.integer(spec, "spec", "rebalanceEverySteps", DEFAULTS["rebalanceEverySteps"],
-                      minimum=0)
-    gain = p.integer(spec, "spec", "rebalanceMinGainPercent",
-                     DEFAULTS["rebalanceMinGainPercent"], minimum=0)
+    every = _bounded(p, spec, "rebalanceEverySteps", DEFAULTS["rebalanceEverySteps"])
+    gain = _bounded(p, spec, "rebalanceMinGainPercent", DEFAULTS["rebalanceMinGainPercent"])
     if min_nodes and max_nodes and min_nodes > max_nodes:
         p.bad("spec.minNodes", "InvalidNodeRange",
               f"minNodes ({min_nodes}) exceeds maxNodes ({max_nodes}); raise maxNodes")
-    if min_nodes and max_nodes and replicas and not min_nodes <= replicas <= max_nodes:
+    elif min_nodes and max_nodes and replicas and not min_nodes <= replicas <= max_nodes:
         p.bad("spec.replicas", "InvalidNodeRange",
               f"the desired node count ({replicas}) must lie between minNodes ({min_nodes}) "
               f"and maxNodes ({max_nodes})")
@@ -191,20 +190,14 @@ def parse_spec(spec: object) -> JobSpec:
               f"{max_nodes} nodes x {gpus} GPUs x {slots} slots = {gpus * slots * max_nodes} "
               f"expert slots cannot hold {experts} experts x {f} replicas; raise maxNodes, "
               f"gpusPerNode or slotsPerGpu, or lower minReplicas")
+    _runtime(p, runtime, slots, max_nodes * gpus if max_nodes and gpus else None)
     checkpoint = _checkpoint(p, spec.get("checkpoint"))
     taints = _taints(p, spec.get("spotNoticeTaints"))
-    template = spec.get("template", {})
-    if not isinstance(template, Mapping):
-        p.bad("spec.template", "InvalidTemplate", "must be an object")
-        template = {}
-    elif gpus:
-        _check_gpu_request(p, template, gpus)
-    steps = (p.integer(spec, "spec", "steps", None, minimum=1)
-             if spec.get("steps") is not None else None)
-    coordinator = spec.get("coordinator", {})
-    if not isinstance(coordinator, Mapping):
-        p.bad("spec.coordinator", "InvalidCoordinator", "must be an object")
-        coordinator = {}
+    template = p.mapping(spec, "spec", "template", "InvalidTemplate")
+    check_template(p, template, gpus)
+    steps = _bounded(p, spec, "steps", None) if spec.get("steps") is not None else None
+    coordinator = p.mapping(spec, "spec", "coordinator", "InvalidCoordinator")
+    check_coordinator(p, coordinator)
     p.raise_if_any()
     return JobSpec(
         experts=experts, layers=layers, min_nodes=min_nodes, max_nodes=max_nodes,
@@ -215,7 +208,40 @@ def parse_spec(spec: object) -> JobSpec:
     )
 
 
-def _checkpoint(p: "_Reader", ck: object) -> CheckpointSpec | None:
+def _bounded(p: SpecReader, spec: Mapping, key: str, default: int | None) -> int | None:
+    low, high = LIMITS[key]
+    return p.integer(spec, "spec", key, default, minimum=low, maximum=high)
+
+
+def _runtime(p: SpecReader, runtime: Mapping, slots: int | None, ranks: int | None) -> None:
+    """``spec.runtime`` as the workers will read it, then what it asks of every node."""
+    try:
+        config = RuntimeConfig.from_manifest(dict(runtime))
+    except ValueError as e:
+        key, message = split_error(e)
+        path = f"spec.runtime.{key}" if key else "spec.runtime"
+        if not p.has(path):  # experts and layers are read above
+            p.bad(path, "InvalidRuntime", message)
+        return
+    if ranks is not None and config.data.global_batch < ranks:
+        p.bad("spec.runtime.globalBatch", "InvalidRuntime",
+              f"{config.data.global_batch} samples per step cannot be shared by up to "
+              f"{ranks} ranks (maxNodes x gpusPerNode); raise globalBatch to at least {ranks} "
+              f"or lower maxNodes")
+    if slots is None:
+        return
+    parameters = config.model.parameters_per_rank(slots)
+    need = parameters * TRAINING_BYTES_PER_PARAMETER
+    if need > MAX_RANK_BYTES:
+        p.bad("spec.runtime", "ModelTooLarge",
+              f"each rank would hold at least {parameters:,} parameters (the dense layers "
+              f"and {slots} experts per layer), {need / 2**30:,.0f} GiB of weights, gradients "
+              f"and optimizer state, more than the {MAX_RANK_BYTES // 2**30} GiB of the "
+              f"largest accelerator; make the model smaller (dim, ffnDim, vocab, layers) or "
+              f"lower slotsPerGpu")
+
+
+def _checkpoint(p: SpecReader, ck: object) -> CheckpointSpec | None:
     if ck is None:
         return None
     if not isinstance(ck, Mapping):
@@ -229,19 +255,17 @@ def _checkpoint(p: "_Reader", ck: object) -> CheckpointSpec | None:
     every = p.integer(ck, "spec.checkpoint", "everySteps", DEFAULTS["checkpointEverySteps"],
                       minimum=1)
     keep = p.integer(ck, "spec.checkpoint", "keep", DEFAULTS["checkpointKeep"],
-                     minimum=KEEP_MIN)
-    if keep is not None and keep > KEEP_MAX:
-        p.bad("spec.checkpoint.keep", "InvalidField", f"must be <= {KEEP_MAX}, got {keep}")
+                     minimum=KEEP_MIN, maximum=KEEP_MAX)
     secret = ck.get("secretName")
-    if secret is not None and not (isinstance(secret, str) and len(secret) <= 253
-                                   and _DNS_SUBDOMAIN.match(secret)):
+    if secret is not None and not (isinstance(secret, str)
+                                   and kube_names.dns_1123_subdomain(secret) is None):
         p.bad("spec.checkpoint.secretName", "InvalidCheckpoint",
               f"must name a Secret in the job's namespace (a DNS subdomain), got {secret!r}")
     return CheckpointSpec(path if isinstance(path, str) else "", every, keep or KEEP_DEFAULT,
                           secret if isinstance(secret, str) else None)
 
 
-def _taints(p: "_Reader", taints: object) -> tuple[str, ...]:
+def _taints(p: SpecReader, taints: object) -> tuple[str, ...]:
     if taints is None:
         return DEFAULT_SPOT_NOTICE_TAINTS
     if not isinstance(taints, list) or not all(
@@ -253,45 +277,3 @@ def _taints(p: "_Reader", taints: object) -> tuple[str, ...]:
     if len(set(keys)) != len(keys):
         p.bad("spec.spotNoticeTaints", "InvalidSpotNoticeTaints", "lists a taint key twice")
     return keys
-
-
-def _check_gpu_request(p: "_Reader", template: Mapping, gpus: int) -> None:
-    """The pod's nvidia.com/gpu request must be gpusPerNode: the plan gives each GPU a rank."""
-    resources = template.get("resources") or {}
-    for kind in ("limits", "requests"):
-        value = (resources.get(kind) or {}).get(_GPU_RESOURCE) if isinstance(resources, Mapping) else None
-        if value is None:
-            continue
-        if str(value) != str(gpus):
-            p.bad(f"spec.template.resources.{kind}[{_GPU_RESOURCE}]", "GpuRequestMismatch",
-                  f"requests {value} GPUs but gpusPerNode is {gpus}; make them equal "
-                  f"(each GPU hosts one worker rank), or leave it out for CPU workers")
-
-
-class _Reader:
-    """Collects violations so a user sees every problem of a spec at once."""
-
-    def __init__(self):
-        self.violations: list[Violation] = []
-
-    def bad(self, path: str, reason: str, message: str) -> None:
-        self.violations.append(Violation(path, reason, message))
-
-    def integer(self, d: Mapping, where: str, key: str, default: int | None, *,
-                minimum: int) -> int | None:
-        v = d.get(key, default)
-        path = f"{where}.{key}"
-        if v is None:
-            self.bad(path, "MissingField", "is required")
-            return None
-        if not isinstance(v, int) or isinstance(v, bool):
-            self.bad(path, "InvalidField", f"must be an integer, got {v!r}")
-            return None
-        if v < minimum:
-            self.bad(path, "InvalidField", f"must be >= {minimum}, got {v}")
-            return None
-        return v
-
-    def raise_if_any(self) -> None:
-        if self.violations:
-            raise SpecError(self.violations)

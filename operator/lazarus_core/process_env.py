@@ -8,8 +8,10 @@ encoding from here, so the two ends cannot drift apart.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .checkpoint_location import KEEP_DEFAULT
 from .job_spec import JobSpec
@@ -29,8 +31,12 @@ COLLECTIVE_TIMEOUT_S = "LAZARUS_COLLECTIVE_TIMEOUT_S"
 RECONNECT_S = "LAZARUS_RECONNECT_S"  # how long to look for a replacement coordinator
 LOG_LEVEL = "LAZARUS_LOG_LEVEL"
 THREADS = "LAZARUS_THREADS"
-# Set on worker pods for reference (kubectl describe, debugging); no process needs them.
+# --- both: the job's name and key, which sign every message between them -------------------
 JOB = "LAZARUS_JOB"
+# On a cluster it comes from the job's Secret (the pod builders reference it there), never
+# as a value in a pod's spec.
+JOB_KEY = "LAZARUS_JOB_KEY"
+# Set on worker pods for reference (kubectl describe, debugging); no process needs them.
 NAMESPACE = "LAZARUS_NAMESPACE"
 POD_NAME = "LAZARUS_POD_NAME"
 PLAN_CONFIGMAP = "LAZARUS_PLAN_CONFIGMAP"
@@ -56,11 +62,22 @@ class EnvError(ValueError):
     """A process started without what it needs; the message names the variables."""
 
 
+# 256 random bits as 64 hex digits: text, so it fits an environment variable and a Secret.
+_JOB_KEY_TEXT = re.compile(r"^[0-9a-f]{64,}$")
+
+
+def new_job_key() -> str:
+    """A fresh job key (the local backend makes one per run; the operator one per job)."""
+    return secrets.token_hex(32)
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     coordinator: str
     node: str
     runtime: dict
+    job: str
+    key: str = field(repr=False)
     checkpoint_path: str | None = None
     checkpoint_every_steps: int = 0
     checkpoint_keep: int = KEEP_DEFAULT
@@ -79,15 +96,18 @@ class WorkerEnv:
         return _host_port(self.coordinator)
 
 
-def worker_env(spec: JobSpec, coordinator: str, node: str | None = None,
-               checkpoint_path: str | None = None, job_uid: str | None = None) -> dict[str, str]:
+def worker_env(spec: JobSpec, job: str, coordinator: str, node: str | None = None,
+               key: str | None = None, checkpoint_path: str | None = None,
+               job_uid: str | None = None) -> dict[str, str]:
     """What a worker of ``spec`` is started with. ``node`` None leaves NODE_NAME to the
-    caller (a pod takes it from the downward API); ``checkpoint_path`` overrides
-    ``spec.checkpoint.path``."""
+    caller (a pod takes it from the downward API), ``key`` None leaves JOB_KEY to it (a pod
+    takes it from the job's Secret); ``checkpoint_path`` overrides ``spec.checkpoint.path``."""
     env = {COORDINATOR: coordinator, RUNTIME: json.dumps(dict(spec.runtime), sort_keys=True),
-           GPUS_PER_NODE: str(spec.gpus_per_node)}
+           JOB: job, GPUS_PER_NODE: str(spec.gpus_per_node)}
     if node is not None:
         env[NODE_NAME] = node
+    if key is not None:
+        env[JOB_KEY] = key
     env |= _checkpoint_env(spec, checkpoint_path, job_uid)
     if spec.checkpoint and env.get(CHECKPOINT_PATH):
         env[CHECKPOINT_EVERY_STEPS] = str(spec.checkpoint.every_steps)
@@ -106,13 +126,14 @@ def _checkpoint_env(spec: JobSpec, checkpoint_path: str | None,
 
 
 def read_worker_env(environ: Mapping[str, str]) -> WorkerEnv:
-    _require(environ, (COORDINATOR, NODE_NAME, RUNTIME),
+    _require(environ, (COORDINATOR, NODE_NAME, RUNTIME, JOB, JOB_KEY),
              "a worker is started by its coordinator (`lazarus run JOB.yaml --local` starts "
              "both) or by the operator")
     try:
         runtime = json.loads(environ[RUNTIME])
         return WorkerEnv(
             coordinator=environ[COORDINATOR], node=environ[NODE_NAME], runtime=runtime,
+            job=environ[JOB], key=_job_key(environ),
             checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
             checkpoint_every_steps=int(environ.get(CHECKPOINT_EVERY_STEPS) or 0),
             checkpoint_keep=int(environ.get(CHECKPOINT_KEEP) or KEEP_DEFAULT),
@@ -133,6 +154,8 @@ class AgentEnv:
     node: str
     coordinator: str
     ranks: int
+    job: str
+    key: str = field(repr=False)  # it signs the exit reports of its ranks
     # None: the agent chooses from the GPUs it sees (``devices.collective_backend``).
     backend: str | None = None
     # The GPUs the agent may use, as CUDA_VISIBLE_DEVICES lists them; None: all it sees.
@@ -144,13 +167,14 @@ class AgentEnv:
 
 
 def read_agent_env(environ: Mapping[str, str]) -> AgentEnv:
-    _require(environ, (COORDINATOR, NODE_NAME, GPUS_PER_NODE),
+    _require(environ, (COORDINATOR, NODE_NAME, GPUS_PER_NODE, JOB, JOB_KEY),
              "a node agent is started by the operator's worker pod or by `lazarus run --local`")
     try:
         ranks = int(environ[GPUS_PER_NODE])
         if ranks < 1:
             raise ValueError(f"{GPUS_PER_NODE} must be >= 1, got {ranks}")
         return AgentEnv(node=environ[NODE_NAME], coordinator=environ[COORDINATOR], ranks=ranks,
+                        job=environ[JOB], key=_job_key(environ),
                         backend=_one_of(environ, BACKEND, BACKENDS, None),
                         visible_gpus=environ.get(CUDA_VISIBLE_DEVICES))
     except ValueError as e:
@@ -184,6 +208,7 @@ class CoordinatorEnv:
     plan_configmap: str
     state_configmap: str
     port: int
+    key: str = field(repr=False)
     steps: int | None = None
     log_level: str = "WARNING"
     # Where the workers' checkpoints are: the coordinator picks the one to restore.
@@ -202,19 +227,32 @@ def coordinator_env(job: str, namespace: str, plan_configmap: str, state_configm
 
 
 def read_coordinator_env(environ: Mapping[str, str]) -> CoordinatorEnv:
-    _require(environ, (JOB, NAMESPACE, PLAN_CONFIGMAP, STATE_CONFIGMAP, COORDINATOR_PORT),
+    _require(environ, (JOB, NAMESPACE, PLAN_CONFIGMAP, STATE_CONFIGMAP, COORDINATOR_PORT,
+                       JOB_KEY),
              "the operator starts the coordinator pod of each LazarusJob")
     try:
         return CoordinatorEnv(
             job=environ[JOB], namespace=environ[NAMESPACE],
             plan_configmap=environ[PLAN_CONFIGMAP], state_configmap=environ[STATE_CONFIGMAP],
-            port=int(environ[COORDINATOR_PORT]),
+            port=int(environ[COORDINATOR_PORT]), key=_job_key(environ),
             steps=int(environ[STEPS]) if environ.get(STEPS) else None,
             log_level=environ.get(LOG_LEVEL) or "WARNING",
             checkpoint_path=environ.get(CHECKPOINT_PATH) or None,
             job_uid=environ.get(JOB_UID) or None)
     except ValueError as e:
         raise EnvError(f"malformed coordinator environment: {e}") from None
+
+
+def check_job_key(key: str) -> str:
+    """``key`` if it is a job key (64 or more lower-case hex digits), else ValueError."""
+    if not _JOB_KEY_TEXT.match(key):
+        raise ValueError(f"{JOB_KEY} must be 64 or more lower-case hex digits (the job's "
+                         f"Secret holds one); it is {len(key)} characters of something else")
+    return key
+
+
+def _job_key(environ: Mapping[str, str]) -> str:
+    return check_job_key(environ[JOB_KEY])
 
 
 def _require(environ: Mapping[str, str], names: tuple[str, ...], why: str) -> None:

@@ -1,13 +1,46 @@
 """Worker configuration: dataclasses built from the LazarusJob manifest's ``spec.runtime``.
 
 The manifest uses camelCase keys, as Kubernetes manifests do, and never floats (API
-conventions): fractional knobs such as the learning rate are strings like ``"3e-4"``.
-Every bad value raises ``ValueError`` naming the manifest field, so the operator can turn
-it into a condition a person can act on.
+conventions): fractional knobs such as the learning rate are decimal strings like
+``"3e-4"``. Every bad value raises ``ValueError`` whose message is ``"<field>: <what is
+wrong>"``, the field being the key under ``spec.runtime``; ``split_error`` takes it apart,
+so the operator's spec parser (job_spec.py) checks ``spec.runtime`` with this very code and
+turns each error into a condition naming ``spec.runtime.<field>``.
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field, replace
+
+# Upper bounds of the model's sizes: generous multiples of the largest published models, so
+# no real configuration is refused, while a typo (dim 1000000000) is refused at once instead
+# of failing every worker at start-up. Largest published, for scale: 126 layers, dim 16,384
+# and FFN 53,248 (Llama 3.1 405B), 256 experts per layer (DeepSeek-V3), a 262,144-token
+# vocabulary (Gemma 3). crds/lazarusjob.yaml repeats them as the schema's maxima.
+MODEL_LIMITS = {
+    "layers": 1024, "dim": 65536, "heads": 65536, "experts": 4096, "ffn_dim": 262144,
+    "vocab": 1 << 20, "seq_len": 1 << 20,
+}
+# Seeds feed numpy and torch generators, which take unsigned 32- and 64-bit seeds.
+MAX_SEED = (1 << 32) - 1
+# One step's batch: 2^20 samples is 60x Llama 3's 16M-token batch at a 1024-token context.
+MAX_GLOBAL_BATCH = 1 << 20
+# The generated corpus lives in every worker's memory at 8 bytes a token: at most 8 GiB.
+MAX_GENERATED_TOKENS = 1 << 30
+# Fractional knobs: a plain decimal ("0.001", "3e-4"); no "nan", "inf" or spaces.
+_DECIMAL = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$")
+# A worker's training state is at least fp32 weights, gradients and AdamW's two moments.
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def split_error(error: ValueError) -> tuple[str, str]:
+    """(field under spec.runtime, what is wrong) of an error raised here; the field is "" for
+    the runtime section as a whole."""
+    key, sep, message = str(error).partition(": ")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", key):
+        return "", str(error)
+    return ("", message) if key == "runtime" else (key, message)
 
 
 @dataclass(frozen=True)
@@ -24,15 +57,24 @@ class ModelConfig:
     seq_len: int
 
     def __post_init__(self):
-        for name in ("layers", "dim", "heads", "experts", "ffn_dim", "vocab", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{_MODEL_KEYS[name]}: must be >= 1, got {getattr(self, name)}")
+        for name, most in MODEL_LIMITS.items():
+            if not 1 <= getattr(self, name) <= most:
+                raise ValueError(f"{_MODEL_KEYS[name]}: must be between 1 and {most}, "
+                                 f"got {getattr(self, name)}")
         if self.top_k not in (1, 2):
             raise ValueError(f"topK: must be 1 or 2, got {self.top_k}")
         if self.top_k > self.experts:
             raise ValueError(f"topK: {self.top_k} exceeds the number of experts ({self.experts})")
         if self.dim % self.heads:
-            raise ValueError(f"heads: dim {self.dim} is not divisible by {self.heads} heads")
+            raise ValueError(f"heads: dim {self.dim} is not divisible by {self.heads} heads; "
+                             f"choose heads that divide dim")
+
+    def parameters_per_rank(self, expert_slots: int) -> int:
+        """Parameters one rank holds: the dense ones (embeddings, attention, gates, output
+        head; replicated on every rank) and ``expert_slots`` experts in every layer."""
+        dense = (2 * self.vocab * self.dim + self.seq_len * self.dim
+                 + self.layers * (4 * self.dim * self.dim + self.dim * self.experts))
+        return dense + self.layers * expert_slots * 2 * self.dim * self.ffn_dim
 
 
 # The paper's models (paper-notes.md): 12 layers, FFN = 4 x dim, GPT-2 vocabulary and a
@@ -74,10 +116,14 @@ class DataConfig:
     def __post_init__(self):
         if not self.source:
             raise ValueError("dataset: must not be empty")
-        if self.global_batch < 1:
-            raise ValueError(f"globalBatch: must be >= 1, got {self.global_batch}")
-        if self.generated_tokens < 2:
-            raise ValueError(f"generatedTokens: must be >= 2, got {self.generated_tokens}")
+        if not 1 <= self.global_batch <= MAX_GLOBAL_BATCH:
+            raise ValueError(f"globalBatch: must be between 1 and {MAX_GLOBAL_BATCH}, "
+                             f"got {self.global_batch}")
+        if not 2 <= self.generated_tokens <= MAX_GENERATED_TOKENS:
+            raise ValueError(f"generatedTokens: must be between 2 and {MAX_GENERATED_TOKENS}"
+                             f" (the corpus is held in memory), got {self.generated_tokens}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"dataSeed: must be between 0 and {MAX_SEED}, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -185,8 +231,14 @@ class RuntimeConfig:
             beta1=_real(runtime, "beta1", OptimConfig.beta1),
             beta2=_real(runtime, "beta2", OptimConfig.beta2),
         )
+        seed = _int(runtime, "seed", 0)
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed: must be between 0 and {MAX_SEED}, got {seed}")
+        if data.source == "generated" and data.generated_tokens <= model.seq_len:
+            raise ValueError(f"generatedTokens: {data.generated_tokens} tokens cannot fill one "
+                             f"sample of seqLen {model.seq_len}; raise generatedTokens")
         return cls(model=model, data=data, optim=optim,
-                   compute=ComputeConfig.from_manifest(runtime), seed=_int(runtime, "seed", 0))
+                   compute=ComputeConfig.from_manifest(runtime), seed=seed)
 
 
 def _int(d: dict, key: str, default: int | None = None) -> int:
@@ -204,11 +256,15 @@ def _str(d: dict, key: str, default: str) -> str:
 
 
 def _real(d: dict, key: str, default: float) -> float:
-    """A fractional knob: a decimal string as the API conventions ask ("3e-4"), or a number."""
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-        raise ValueError(f"{key}: must be a decimal string such as \"3e-4\", got {v!r}")
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"{key}: must be a decimal string such as \"3e-4\", got {v!r}") from None
+    """A fractional knob: a decimal string as the API conventions ask ("3e-4"), or an integer
+    (a float is refused, as the CRD refuses it: the API conventions allow no floats)."""
+    if key not in d:
+        return default
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (str, int)) or not _DECIMAL.match(str(v)):
+        hint = f"\"{v!r}\"" if isinstance(v, float) else "\"3e-4\""
+        raise ValueError(f"{key}: must be a decimal string such as {hint}, got {v!r}")
+    value = float(v)
+    if not math.isfinite(value):
+        raise ValueError(f"{key}: {v!r} is out of range; write a decimal such as \"3e-4\"")
+    return value

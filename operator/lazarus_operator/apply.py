@@ -20,14 +20,21 @@ from kubernetes.client.exceptions import ApiException
 from lazarus_core import controller as core
 from lazarus_core.cluster_contract import GROUP, PLURAL, VERSION
 from lazarus_core.job_spec import JobSpec
+from lazarus_core.process_env import new_job_key
 
 from . import builders, metrics
-from .kube_api import (create_owned, delete_pods, ignore_missing, post_event, rfc3339,
-                       write_plan)
+from .kube_api import (ObjectConflict, create_owned, delete_pods, ignore_missing, post_event,
+                       rfc3339, write_plan)
 from .observe import CoordinatorObservation, Observation
 
 log = logging.getLogger(__name__)
 
+# Worker pods are created in batches that double from one while they succeed, as Kubernetes'
+# ReplicaSet controller does, and at most this many are starting at a time: a pod the API
+# server refuses costs one request, not one per missing worker, and a job far below its
+# target (maxNodes 10000 and no replicas) adds pods as they start running, not 10,000 in one
+# pass. Pending pods are what a cluster autoscaler provisions nodes for, so some must exist.
+MAX_STARTING_PODS = 100
 # How long a published plan stands before its pods get its generation annotation.
 ANNOTATE_AFTER_S = 2.0
 
@@ -37,6 +44,10 @@ class JobRecord:
     """What the operator remembers of a job between passes (a cache of the API server)."""
     state: core.JobState | None = None
     objects_ready: bool = False
+    # The name of the job's key Secret (the API server picks it; status.keySecret keeps it).
+    key_secret: str | None = None
+    # Worker indices whose pod name is taken by a pod that is not the job's.
+    foreign_indices: set[int] = field(default_factory=set)
     # resourceVersion of the plan ConfigMap the state was built from or last wrote.
     plan_version: str | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
@@ -57,6 +68,8 @@ class Applier:
         self.core = api
         self.custom = custom
         self.policy = policy
+        self.rbac = client.RbacAuthorizationV1Api(api.api_client)
+        self.networking = client.NetworkingV1Api(api.api_client)
         self.clock = clock
         self.coordinator_port = coordinator_port
         # Pod creations and deletions fan out, and the pass waits for them; the generation
@@ -70,7 +83,7 @@ class Applier:
         namespace = body["metadata"]["namespace"]
         state = outcome.state
         self._ensure_job_objects(record, body)
-        self._keep_coordinator(body, spec, state, coordinator)
+        self._keep_coordinator(record, body, spec, state, coordinator)
         for d in outcome.decisions:
             if isinstance(d, core.PublishPlan):
                 self._publish(record, body, d, state.draining, obs, started, timing)
@@ -91,7 +104,7 @@ class Applier:
                        f"start-failed.{state.start_failures}")
         if not state.finished:  # a finished job's pods stay, with their logs
             delete_pods(self.core, self._batch, obs.doomed, namespace)
-        self._right_size(body, spec, state, obs)
+        self._right_size(record, body, spec, state, obs)
         self._patch_status(body, state)
 
     def record_publication(self, body: dict, plan) -> None:
@@ -104,6 +117,22 @@ class Applier:
 
     def event(self, body: dict, reason: str, message: str, kind: str, suffix: str) -> None:
         post_event(self.core, body, reason, message, kind, suffix, self.clock())
+
+    def conflict(self, body: dict, e: ObjectConflict) -> None:
+        """The job cannot go on: Ready=False naming the object in the way (written once,
+        not again while it reads the same), and one Event."""
+        meta = body["metadata"]
+        old = (body.get("status") or {}).get("conditions") or []
+        ready = next((c for c in old if c.get("type") == "Ready"), {})
+        if (ready.get("reason"), ready.get("message")) == ("NameConflict", str(e)):
+            return
+        log.warning("%s/%s: %s", meta["namespace"], meta["name"], e)
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": {
+                "conditions": core.not_ready(old, "NameConflict", str(e),
+                                             rfc3339(self.clock()), meta.get("generation"))}})
+        self.event(body, "NameConflict", str(e), "Warning",
+                   f"conflict.{e.kind.lower()}.{e.name}")
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -191,22 +220,43 @@ class Applier:
                        f"{state.checkpoint_failures} were skipped", "Normal",
                        f"checkpoint-healed.{state.checkpoint_failures}")
 
-    def _right_size(self, body: dict, spec: JobSpec, state: core.JobState,
+    def _right_size(self, record: JobRecord, body: dict, spec: JobSpec, state: core.JobState,
                     obs: Observation) -> None:
         """Create the workers the target still lacks; drop starting ones beyond it."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if state.finished:  # nothing will train on the pods still starting
             delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
             return
-        missing = state.missing_workers(len(obs.starting), self.clock())
+        missing = min(state.missing_workers(len(obs.starting), self.clock()),
+                      max(0, MAX_STARTING_PODS - len(obs.starting)))
         generation = state.plan.generation if state.plan else 0
-        free = (i for i in range(10**6) if i not in obs.used_indices)
+        free = (i for i in range(10**6)
+                if i not in obs.used_indices and i not in record.foreign_indices)
         uid = body["metadata"]["uid"]
-        pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
-                                          self.coordinator_port, job_uid=uid)
-                for _ in range(missing)]
-        list(self._batch.map(
-            lambda pod: create_owned(body, self.core.create_namespaced_pod, pod), pods))
+
+        def create(pod: dict) -> bool:
+            try:
+                create_owned(body, self.core.create_namespaced_pod,
+                             self.core.read_namespaced_pod, pod)
+            except ObjectConflict as e:
+                # A pod of that name that is not the job's: never adopted, its name skipped.
+                record.foreign_indices.add(int(pod["metadata"]["labels"][builders.INDEX_LABEL]))
+                self.event(body, "NameConflict", str(e), "Warning",
+                           f"conflict.pod.{pod['metadata']['name']}")
+                return False
+            return True
+
+        created, batch = 0, 1
+        while created < missing:
+            pods = [builders.build_worker_pod(name, namespace, spec, next(free), generation,
+                                              record.key_secret, self.coordinator_port,
+                                              job_uid=uid)
+                    for _ in range(min(batch, missing - created))]
+            done = list(self._batch.map(create, pods))
+            created += sum(done)
+            if not all(done):
+                break
+            batch *= 2
         usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
         excess = usable + len(obs.starting) - spec.target_nodes
         if excess > 0:
@@ -214,24 +264,56 @@ class Applier:
             delete_pods(self.core, self._batch, [(p, False) for p in surplus], namespace)
 
     def _ensure_job_objects(self, record: JobRecord, body: dict) -> None:
-        """The workers' Service, the coordinator's Service and disruption budget, and the
-        job's state ConfigMap: created once per job ("already exists" after an operator
-        restart is the normal case)."""
+        """The job's key Secret, its NetworkPolicy, the coordinator's ServiceAccount, Role
+        and RoleBinding, the workers' Service, the coordinator's Service and disruption
+        budget, and the job's state ConfigMap: created once per job ("already exists" after
+        an operator restart is the normal case, and the object is kept if the job owns it)."""
         if record.objects_ready:
             return
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        create_owned(body, self.core.create_namespaced_service,
-                     builders.build_workers_service(name, namespace))
-        create_owned(body, self.core.create_namespaced_service,
-                     builders.build_coordinator_service(name, namespace, self.coordinator_port))
-        create_owned(body, self.policy.create_namespaced_pod_disruption_budget,
-                     builders.build_coordinator_pdb(name, namespace))
-        create_owned(body, self.core.create_namespaced_config_map,
-                     builders.build_state_configmap(name, namespace))
+        if record.key_secret is None:
+            record.key_secret = ((body.get("status") or {}).get("keySecret")
+                                 or self._new_key_secret(body))
+        calls = {  # kind: (create, read)
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.read_namespaced_network_policy),
+            "ServiceAccount": (self.core.create_namespaced_service_account,
+                               self.core.read_namespaced_service_account),
+            "Role": (self.rbac.create_namespaced_role, self.rbac.read_namespaced_role),
+            "RoleBinding": (self.rbac.create_namespaced_role_binding,
+                            self.rbac.read_namespaced_role_binding),
+            "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service),
+            "PodDisruptionBudget": (self.policy.create_namespaced_pod_disruption_budget,
+                                    self.policy.read_namespaced_pod_disruption_budget),
+            "ConfigMap": (self.core.create_namespaced_config_map,
+                          self.core.read_namespaced_config_map)}
+        # The policy and the coordinator's account first: nothing runs before what confines
+        # it exists, and an object in the way (ObjectConflict) stops the pass before any pod
+        # is made (the coordinator's pod is ``_keep_coordinator``'s).
+        for obj in (builders.build_network_policy(name, namespace),
+                    *builders.build_coordinator_access(name, namespace),
+                    builders.build_workers_service(name, namespace),
+                    builders.build_coordinator_service(name, namespace, self.coordinator_port),
+                    builders.build_coordinator_pdb(name, namespace),
+                    builders.build_state_configmap(name, namespace)):
+            create_owned(body, *calls[obj["kind"]], obj)
         record.objects_ready = True
 
-    def _keep_coordinator(self, body: dict, spec: JobSpec, state: core.JobState,
-                          coordinator: CoordinatorObservation) -> None:
+    def _new_key_secret(self, body: dict) -> str:
+        """A fresh key in a Secret of its own, its name kept in the job's status at once,
+        before any pod refers to it: a pass that starts again after a crash finds it there,
+        so the job's pods never get two different keys. (A crash between the two calls
+        leaves a Secret no pod uses; the job owns it, so it goes with the job.)"""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        secret = builders.build_key_secret(name, namespace, new_job_key())
+        kopf.adopt(secret, owner=body)
+        created = self.core.create_namespaced_secret(namespace, secret).metadata.name
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": {"keySecret": created}})
+        return created
+
+    def _keep_coordinator(self, record: JobRecord, body: dict, spec: JobSpec,
+                          state: core.JobState, coordinator: CoordinatorObservation) -> None:
         """One coordinator lives while the job trains: a dead one (its process exited, its
         pod was deleted, its node is gone) is cleaned up and the next incarnation started;
         it carries on from the job's state ConfigMap and what the workers hold."""
@@ -241,9 +323,11 @@ class Applier:
         delete_pods(self.core, self._batch, coordinator.doomed, namespace)
         if coordinator.alive:
             return
-        create_owned(body, self.core.create_namespaced_pod, builders.build_coordinator_pod(
-            name, namespace, spec, coordinator.next_index, self.coordinator_port,
-            job_uid=body["metadata"]["uid"]))
+        create_owned(body, self.core.create_namespaced_pod, self.core.read_namespaced_pod,
+                     builders.build_coordinator_pod(name, namespace, spec, record.key_secret,
+                                                    coordinator.next_index,
+                                                    self.coordinator_port,
+                                                    job_uid=body["metadata"]["uid"]))
         if coordinator.next_index > 0:
             metrics.COORDINATOR_REPLACEMENTS.labels(namespace, name).inc()
             self.event(body, "CoordinatorReplaced",

@@ -101,12 +101,15 @@ class ClusterCache:
         self._refresh_nodes(pods)
         return pods
 
-    def state(self, job: Key, full: bool) -> dict[str, str]:
-        """The data of the job's state ConfigMap: from the watch, or read afresh."""
+    def state(self, job: Key, owner_uid: str, full: bool) -> dict[str, str]:
+        """The data of the job's state ConfigMap: from the watch (which records only the
+        job's own), or read afresh; empty if the ConfigMap of that name is not the job's
+        (``owner_uid``): a ConfigMap in the way is the job's NameConflict, never its state."""
         if full or job not in self._states:
             try:
                 cm = self.core.read_namespaced_config_map(state_configmap_name(job[1]), job[0])
-                data = cm.data or {}
+                owners = cm.metadata.owner_references or []
+                data = (cm.data or {}) if any(r.uid == owner_uid for r in owners) else {}
             except ApiException as e:
                 if e.status != 404:
                     raise

@@ -13,8 +13,8 @@ import kopf
 from kubernetes import client, config
 
 from lazarus_core.cluster_contract import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION
-from lazarus_core.controller import Settings
-from lazarus_core.job_spec import SpecError, parse_spec
+from lazarus_core.controller import Settings, not_ready
+from lazarus_core.job_spec import SpecError, parse_manifest
 
 from . import builders
 from .kube_api import rfc3339
@@ -51,17 +51,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
 @kopf.on.create(JOBS)
 @kopf.on.update(JOBS)
 @kopf.on.resume(JOBS)
-def job_spec_changed(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
+def job_spec_changed(body: kopf.Body, name: str, namespace: str, status: kopf.Status,
                      meta: kopf.Meta, patch: kopf.Patch, memo: kopf.Memo, **_) -> None:
-    """Check the spec, then reconcile. A spec the schema let through but that can never run
-    gets a Ready=False condition naming the field, once: no retries."""
+    """Check the spec (and the name), then reconcile. A job the schema let through but that
+    can never run gets a Ready=False condition naming the field and the fix, once: one
+    status patch and one Event, no retries, and nothing created, until the spec changes."""
     try:
-        parse_spec(dict(spec))
+        parse_manifest(body)
     except SpecError as e:
-        patch.status["conditions"] = [{
-            "type": "Ready", "status": "False", "reason": e.reason, "message": str(e),
-            "lastTransitionTime": rfc3339(time.time()), "observedGeneration": meta.get("generation"),
-        }]
+        patch.status["conditions"] = not_ready(
+            list(status.get("conditions") or []), e.reason, str(e), rfc3339(time.time()),
+            meta.get("generation"))
         patch.status["observedGeneration"] = meta.get("generation")
         raise kopf.PermanentError(str(e))
     memo.reconciler.request(namespace, name)

@@ -34,14 +34,46 @@ def ignore_missing(fn, *args, **kwargs) -> None:
             raise
 
 
-def create_owned(owner: dict, create: Callable, obj: dict) -> None:
-    """Create ``obj`` owned by ``owner``; one a pass before a restart created is kept."""
+class ObjectConflict(Exception):
+    """An object has a name the job needs and is not the job's (by owner UID, not labels,
+    which anyone who may create it can copy): it is neither adopted nor replaced."""
+
+    def __init__(self, kind: str, name: str, owners: list[str]):
+        self.kind, self.name = kind, name
+        held = f"owned by {', '.join(owners)}" if owners else "owned by nothing"
+        super().__init__(f"a {kind} named {name} already exists and is not this job's "
+                         f"({held}); delete it, or create the job under another name")
+
+
+def owned_by(meta, owner: dict) -> bool:
+    """Whether an object's metadata (a client model or a dict) names ``owner`` (a job's
+    body) among its owners, by UID."""
+    refs = (meta.get("ownerReferences") if isinstance(meta, dict)
+            else meta.owner_references) or []
+    uid = owner["metadata"]["uid"]
+    return any((r.get("uid") if isinstance(r, dict) else r.uid) == uid for r in refs)
+
+
+def owner_names(meta) -> list[str]:
+    refs = (meta.get("ownerReferences") if isinstance(meta, dict)
+            else meta.owner_references) or []
+    return [f"{r.get('kind')} {r.get('name')}" if isinstance(r, dict) else f"{r.kind} {r.name}"
+            for r in refs]
+
+
+def create_owned(owner: dict, create: Callable, read: Callable, obj: dict) -> None:
+    """Create ``obj`` owned by ``owner``. If its name is taken, the object is kept only when
+    it is ``owner``'s (made by a pass before a restart); else ObjectConflict."""
     kopf.adopt(obj, owner=owner)
+    meta = obj["metadata"]
     try:
-        create(obj["metadata"]["namespace"], obj)
+        create(meta["namespace"], obj)
     except ApiException as e:
         if e.status != 409:
             raise
+        existing = read(meta["name"], meta["namespace"]).metadata
+        if not owned_by(existing, owner):
+            raise ObjectConflict(obj["kind"], meta["name"], owner_names(existing)) from None
 
 
 def delete_pods(core: client.CoreV1Api, pool: Executor, pods: list[tuple[str, bool]],

@@ -66,13 +66,16 @@ class Observation:
 
 
 def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
-                    job: JobSpec, suspects: Collection[str] = ()) -> Observation:
+                    job: JobSpec, owner_uid: str,
+                    suspects: Collection[str] = ()) -> Observation:
     """Classify the job's worker pods. ``nodes`` maps each pod's node to its info, or None
-    when the node no longer exists. ``suspects``: rank processes (``plan.member_name``) the
-    coordinator found lost (exited, no heartbeat, a hung loop) while Kubernetes still shows
-    their pod running. A node with every rank lost counts as lost, one with some as a node
-    without those ranks' GPUs; their pods are kept, so that a rank that resumes can be
-    taken back."""
+    when the node no longer exists. Only pods the job owns (``owner_uid``, by owner
+    reference: labels can be copied by anyone who may create a pod) count as its workers;
+    another pod's name is still never reused. ``suspects``: rank processes
+    (``plan.member_name``) the coordinator found lost (exited, no heartbeat, a hung loop)
+    while Kubernetes still shows their pod running. A node with every rank lost counts as
+    lost, one with some as a node without those ranks' GPUs; their pods are kept, so that a
+    rank that resumes can be taken back."""
     lost_gpus: dict[str, set[int]] = {}
     for member in suspects:
         try:
@@ -86,7 +89,7 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
         index = (meta.get("labels") or {}).get(INDEX_LABEL, "")
         if index.isdigit():
             out.used_indices.add(int(index))
-        if meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp") or not _owned(meta, owner_uid):
             continue
         phase = status.get("phase", "Pending")
         node_name = spec.get("nodeName")
@@ -134,18 +137,20 @@ class CoordinatorObservation:
     next_index: int = 0
 
 
-def observe_coordinator(pods: Sequence[Mapping],
-                        nodes: Mapping[str, NodeInfo | None]) -> CoordinatorObservation:
+def observe_coordinator(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
+                        owner_uid: str) -> CoordinatorObservation:
     """Whether some incarnation of the job's coordinator is alive (running, or on its way)
     or finished the job, and which dead ones to clean up: failed, or on a node that is gone
-    or NotReady (whose kubelet will never report the process's fate)."""
+    or NotReady (whose kubelet will never report the process's fate). Only pods the job owns
+    count (a pod that merely wears the labels cannot pass for a live or finished one); the
+    next incarnation's name skips every labelled pod's."""
     out = CoordinatorObservation()
     for pod in pods:
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         index = (meta.get("labels") or {}).get(INDEX_LABEL, "")
         if index.isdigit():
             out.next_index = max(out.next_index, int(index) + 1)
-        if meta.get("deletionTimestamp"):
+        if meta.get("deletionTimestamp") or not _owned(meta, owner_uid):
             continue
         node_name = spec.get("nodeName")
         node = nodes.get(node_name) if node_name else None
@@ -158,6 +163,10 @@ def observe_coordinator(pods: Sequence[Mapping],
         else:
             out.alive = True
     return out
+
+
+def _owned(meta: Mapping, owner_uid: str) -> bool:
+    return any(r.get("uid") == owner_uid for r in meta.get("ownerReferences") or [])
 
 
 def pod_fingerprint(pod: Mapping) -> tuple:

@@ -18,6 +18,7 @@ from lazarus_core.job_spec import JobSpec
 from lazarus_core.topology import NodeSpec
 
 from . import builders
+from .kube_api import ObjectConflict, owned_by, owner_names
 from .observe import NodeInfo
 
 log = logging.getLogger(__name__)
@@ -26,12 +27,15 @@ log = logging.getLogger(__name__)
 def rebuild_state(api: client.CoreV1Api, body: dict, spec: JobSpec,
                   nodes: Mapping[str, NodeInfo], settings: core.Settings,
                   clock: Callable[[], float]) -> tuple[core.JobState, str | None]:
-    """(state, resourceVersion of the plan ConfigMap it was built from, None if none)."""
+    """(state, resourceVersion of the plan ConfigMap it was built from, None if none).
+    A plan ConfigMap that is not the job's own is never taken for its plan: ObjectConflict."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     status = body.get("status") or {}
     plan, version = None, None
     try:
         cm = api.read_namespaced_config_map(builders.plan_configmap_name(name), namespace)
+        if not owned_by(cm.metadata, body):
+            raise ObjectConflict("ConfigMap", cm.metadata.name, owner_names(cm.metadata))
         version = cm.metadata.resource_version
         plan, _ = read_plan_configmap(cm.data or {})
     except ApiException as e:

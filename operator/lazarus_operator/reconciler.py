@@ -22,14 +22,15 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from lazarus_core import controller as core
-from lazarus_core.cluster_contract import (GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION,
-                                           read_state_configmap)
-from lazarus_core.job_spec import SpecError, parse_spec
+from lazarus_core.cluster_contract import (GROUP, JOB_LABEL, KIND, PLURAL, ROLE_LABEL, VERSION,
+                                           read_state_configmap, state_configmap_name)
+from lazarus_core.job_spec import JobSpec, SpecError, parse_manifest
 
 from . import builders, metrics
 from .apply import Applier, JobRecord
 from .cluster_cache import ClusterCache
 from .job_queue import JobQueue
+from .kube_api import ObjectConflict
 from .observe import observe_coordinator, observe_workers
 from .rebuild import rebuild_state
 
@@ -83,16 +84,23 @@ class Reconciler:
                 if job.state is not None and name in job.state.alive]
 
     def pod_changed(self, pod: dict, deleted: bool) -> bool:
-        """Whether a worker or coordinator pod changed in a way the controller reads."""
+        """Whether a worker or coordinator pod changed in a way the controller reads. A pod
+        that wears a job's labels but names no LazarusJob of that name as its owner is no
+        reason for a pass: changing it over and over must not keep the operator busy (the
+        exact check, by UID, is the observation's)."""
         meta = pod["metadata"]
         labels = meta.get("labels") or {}
         job = (meta.get("namespace", ""), labels.get(JOB_LABEL, ""))
+        if not _names_owner(meta, job[1]):
+            return False
         return self.cache.pod_changed(job, labels.get(ROLE_LABEL, ""), pod, deleted)
 
     def state_changed(self, configmap: dict, deleted: bool) -> bool:
         """Whether the job's state (the coordinator's progress, lost workers) changed."""
         meta = configmap["metadata"]
         job = (meta.get("namespace", ""), (meta.get("labels") or {}).get(JOB_LABEL, ""))
+        if meta.get("name") != state_configmap_name(job[1]) or not _names_owner(meta, job[1]):
+            return False  # not the job's: the pass reads the job's own, by UID
         return self.cache.state_changed(job, None if deleted else configmap.get("data"))
 
     def forget(self, namespace: str, name: str) -> None:
@@ -117,10 +125,23 @@ class Reconciler:
                 return
             raise
         try:
-            spec = parse_spec(body.get("spec"))
+            _, spec = parse_manifest(body)
         except SpecError:
             return  # the job handler reported it as a condition; nothing can run
         record = self._record(key)
+        try:
+            self._pass(record, key, body, spec, started)
+        except ObjectConflict as e:
+            # Nothing of the job runs while a name it needs is someone else's; the
+            # heartbeat looks again, two or three requests every RELIST_S.
+            record.state = None
+            self.applier.conflict(body, e)
+        self.queue.request_after(namespace, name, RELIST_S, "heartbeat",
+                                 before=lambda: self._mark_relist(key))
+
+    def _pass(self, record: JobRecord, key: Key, body: dict, spec: JobSpec,
+              started: float) -> None:
+        namespace, name = key
         fresh = record.state is None
         if fresh:
             record.state, record.plan_version = rebuild_state(
@@ -129,11 +150,12 @@ class Reconciler:
         with self._jobs_guard:
             relist = fresh or key in self._relist_due
             self._relist_due.discard(key)
+        uid = body["metadata"]["uid"]
         pods = self.cache.pods(key, "worker", full=relist)
-        progress, suspects = read_state_configmap(self.cache.state(key, full=relist))
-        obs = observe_workers(pods, self.cache.node_infos(pods), spec, suspects)
+        progress, suspects = read_state_configmap(self.cache.state(key, uid, full=relist))
+        obs = observe_workers(pods, self.cache.node_infos(pods), spec, uid, suspects)
         coordinators = self.cache.pods(key, "coordinator", full=relist)
-        coordinator = observe_coordinator(coordinators, self.cache.node_infos(coordinators))
+        coordinator = observe_coordinator(coordinators, self.cache.node_infos(coordinators), uid)
         observed = time.perf_counter()
 
         if fresh and state.plan is not None:
@@ -167,11 +189,6 @@ class Reconciler:
         record.state = outcome.state
         if outcome.retry_at is not None:
             self.queue.request_after(namespace, name, outcome.retry_at - now, "retry")
-        # A pass every RELIST_S even without events, with a full list: a watch can miss a
-        # deletion (for example while this replica was paused by peering). Passes are
-        # level-triggered, so an extra one is harmless.
-        self.queue.request_after(namespace, name, RELIST_S, "heartbeat",
-                                 before=lambda: self._mark_relist(key))
 
     def _record(self, key: Key) -> JobRecord:
         with self._jobs_guard:
@@ -180,6 +197,12 @@ class Reconciler:
     def _mark_relist(self, key: Key) -> None:
         with self._jobs_guard:
             self._relist_due.add(key)
+
+
+def _names_owner(meta: dict, job: str) -> bool:
+    """Whether an object names the LazarusJob ``job`` among its owners."""
+    return any(r.get("kind") == KIND and r.get("name") == job
+               for r in meta.get("ownerReferences") or [])
 
 
 def _newer(p: core.Progress, state: core.JobState) -> bool:

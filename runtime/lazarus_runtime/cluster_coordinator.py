@@ -23,6 +23,7 @@ the lost ones it reports by that name, so the operator can drop one GPU of a nod
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -195,7 +196,9 @@ class ClusterCoordinator:
         self.plans = plans
         self.state = state
         self.record = record
-        self.steps = StepCoordinator(chan, lambda line: emit("info", message=line), checkpoints)
+        # It runs as long as the job: only the last reconfigurations are kept in memory.
+        self.steps = StepCoordinator(chan, lambda line: emit("info", message=line), checkpoints,
+                                     keep_reconfigurations=16)
         self.pending: Published | None = None  # the newest plan, not published yet
         self.seen = 0
         self.started = time.monotonic()
@@ -233,9 +236,8 @@ class ClusterCoordinator:
         # Logged before it is committed: if this process dies in between, the step is either
         # applied by the workers all the same (a replacement rolls it forward) or redone and
         # logged again; never applied without a trace.
-        samples, loss = self.steps.records[prepared.step]
-        emit("step", step=prepared.step, generation=prepared.generation, loss=loss,
-             samples=samples)
+        emit("step", step=prepared.step, generation=prepared.generation, loss=prepared.loss,
+             samples=prepared.sample_ids)
         last = self.total_steps is not None and prepared.step >= self.total_steps
         if last:
             self.steps.commit(prepared, last=True)  # the workers apply it and stop
@@ -326,7 +328,9 @@ def _serve_store(port: int, patience_s: float = 30.0) -> dist.TCPStore:
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False)
+            # Its reads never wait for a key, but one (JobChannel.reports) can: this bounds it.
+            return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=30))
         except (RuntimeError, OSError) as e:
             if time.monotonic() > deadline:
                 raise
@@ -355,7 +359,7 @@ def main() -> int:
     state = StateReporter(core, env.namespace, env.state_configmap)
     record = state.read()
     store = _serve_store(env.port)
-    coordinator = ClusterCoordinator(JobChannel(store),
+    coordinator = ClusterCoordinator(JobChannel(store, env.key, env.job),
                                      PlanFollower(core, env.namespace, env.plan_configmap).start(),
                                      state.start(), env.steps, record,
                                      Checkpoints.open(env.checkpoint_path, env.job_uid)

@@ -14,10 +14,15 @@ Its workers are rank processes, one per GPU, named by node and GPU (``plan.membe
 it plans each handover on the plans' per-rank views (``Plan.by_rank``), so a replica moves
 to the very GPU that needs it, between two GPUs of one node too, and a lost GPU is a lost
 worker like any other.
+
+It acts only on what the workers signed (job_channel.py): a counter says when to look, the
+signed reports decide. It keeps no per-step history, and prunes the channel's keys behind
+it, so a job of a million steps needs the memory of a job of ten.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,10 +80,26 @@ class PreparedStep:
     generation: int
     reports: list[StepReport]
 
+    @property
+    def loss(self) -> float:
+        return self.reports[0].loss
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return [i for r in self.reports for i in r.sample_ids]
+
+
+# A step's keys are deleted once this many later steps are committed: every rank has read
+# its commit by then (a rank prepares step s + 1 only after reading the commit of s).
+KEEP_STEPS = 4
+# A generation's keys are deleted once this many newer generations were published.
+KEEP_GENERATIONS = 2
+
 
 class StepCoordinator:
     def __init__(self, chan: JobChannel, on_event: Callable[[str], None] = lambda line: None,
-                 checkpoints: Checkpoints | None = None, liveness: Liveness | None = None):
+                 checkpoints: Checkpoints | None = None, liveness: Liveness | None = None,
+                 keep_reconfigurations: int | None = None):
         self.chan = chan
         self.on_event = on_event
         # The job's checkpoints, read to choose the one to restore (None: not configured).
@@ -101,11 +122,16 @@ class StepCoordinator:
         self.exited: dict[str, int] = {}
         self._failures_seen = 0
         self._step_started = time.monotonic()
-        # step -> (sample ids, loss) of its last commit
-        self.records: dict[int, tuple[list[int], float]] = {}
-        self.reconfigs: list[Reconfiguration] = []
+        # The furthest step ever prepared: a step at or below it is being redone.
+        self.highest_step = 0
+        # In publication order; a long-running coordinator keeps the last few (None: all).
+        self.reconfigs: deque[Reconfiguration] = deque(maxlen=keep_reconfigurations)
         self.restores = 0
         self.redone = 0
+        # Keys in the store, oldest first, to prune: (generation, step, world size) of
+        # steps prepared, and the directives published.
+        self._steps: deque[tuple[int, int, int]] = deque()
+        self._generations: deque[Directive] = deque()
 
     @property
     def generation(self) -> int:
@@ -116,24 +142,25 @@ class StepCoordinator:
     def poll(self) -> PreparedStep | None:
         """Confirm the adoption of the current generation once every member fetched its
         state; then return the next step once every rank prepared it."""
+        self.chan.guard()
         d = self.directive
         if d is None:
             return None
         g = d.generation
         if self.adopted is None or self.adopted.generation != g:
-            if self.chan.fetched_count(g) >= len(d.exchange_ranks()):
+            if self.chan.all_fetched(g, d.exchange_ranks()):
                 self.chan.adopt(g)
                 self._adopted(d)
                 self._reconfig(g, lambda r: setattr(r, "adopted_at", time.monotonic()))
             return None
         step = self.committed + 1
-        if self.chan.prepared(g, step) < d.plan.world_size:
-            return None
         reports = self.chan.reports(g, step, d.plan.world_size)
-        if step in self.records:
+        if reports is None:
+            return None
+        if step <= self.highest_step:
             self.redone += 1
-        self.records[step] = ([i for r in reports for i in r.sample_ids], reports[0].loss)
-        self._reconfig(g, lambda r: r.resumed_at or setattr(r, "resumed_at", time.monotonic()))
+        self.highest_step = max(self.highest_step, step)
+        self._reconfig(g, self._resumed)
         return PreparedStep(step, g, reports)
 
     def commit(self, step: PreparedStep, last: bool = False) -> None:
@@ -142,6 +169,7 @@ class StepCoordinator:
             self.chan.stop()
         self.chan.commit(step.generation, step.step, step.generation)
         self._committed(step.step)
+        self._written(step)
 
     def _committed(self, step: int) -> None:
         now = time.monotonic()
@@ -194,7 +222,7 @@ class StepCoordinator:
             return {m: why for m, why in self._lost.items() if m in members}
         self._looked_at = now
         g = self.generation
-        failures = self.chan.failures(g) if g else 0
+        failures = self.chan.failures(g, members) if g else 0
         if failures > self._failures_seen:
             self.liveness.peer_failed(now)
         self._failures_seen = failures
@@ -220,6 +248,10 @@ class StepCoordinator:
         any step in flight is dropped and redone (its optimizer step was never applied)."""
         if boundary is not None:
             self._committed(boundary.step)
+            self._written(boundary)
+        elif self.directive is not None:  # the step in flight is dropped: its keys go too
+            self._steps.append((self.generation, self.committed + 1,
+                                self.directive.plan.world_size))
         held = self._held_by(alive)
         ranks = plan.by_rank()
         handover = plan_handover(held, ranks, self.committed, self.chan.checkpoint(),
@@ -249,6 +281,8 @@ class StepCoordinator:
             self.chan.switch_to(plan.generation)
         else:
             self.chan.publish(directive)
+        self._generations.append(directive)
+        self._prune()
         ranks = (f" ({plan.world_size} ranks)" if plan.world_size != len(plan.nodes)
                  else "")
         self.on_event(f"generation {plan.generation} ({plan.reason}): {len(plan.nodes)} "
@@ -299,10 +333,34 @@ class StepCoordinator:
     def summaries(self) -> list[dict]:
         """The reconfigurations after the first plan, with the workers' own timings."""
         for r in self.reconfigs:
-            r.worker_timings = {
-                str(rank): t for rank in range(r.members)
-                if (t := self.chan.timings(r.generation, rank)) is not None}
+            self._collect_timings(r)
         return [r.summary() for r in self.reconfigs if r.generation > 1]
+
+    def _resumed(self, r: Reconfiguration) -> None:
+        """The first step under a generation: its members have reported their timings."""
+        if r.resumed_at is None:
+            r.resumed_at = time.monotonic()
+            self._collect_timings(r)
+
+    def _collect_timings(self, r: Reconfiguration) -> None:
+        r.worker_timings |= {
+            str(rank): t for rank in range(r.members)
+            if str(rank) not in r.worker_timings
+            and (t := self.chan.timings(r.generation, rank)) is not None}
+
+    def _written(self, step: PreparedStep) -> None:
+        self._steps.append((step.generation, step.step, len(step.reports)))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete the keys of steps and generations that every worker has moved past."""
+        while len(self._steps) > KEEP_STEPS:
+            self.chan.prune_step(*self._steps.popleft())
+        while len(self._generations) > KEEP_GENERATIONS + 1:
+            old = self._generations.popleft()
+            self._reconfig(old.generation, self._collect_timings)
+            members = old.exchange_ranks()
+            self.chan.prune_generation(old.generation, members, len(members))
 
     def _reconfig(self, generation: int, update) -> None:
         for r in reversed(self.reconfigs):

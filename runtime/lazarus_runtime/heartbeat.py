@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch.distributed as dist
 from lazarus_core.liveness import BEAT_S, Beat
 
 from .job_channel import CoordinatorLost, JobChannel
@@ -23,7 +22,9 @@ log = logging.getLogger("lazarus.heartbeat")
 
 
 class Heartbeat:
-    def __init__(self, connect: Callable[[], dist.Store], node: str, interval_s: float = BEAT_S):
+    def __init__(self, connect: Callable[[], JobChannel], node: str,
+                 interval_s: float = BEAT_S):
+        """``connect()``: a new signed channel to the coordinator, on a connection of its own."""
         self._connect = connect
         self.node = node
         self.interval_s = interval_s
@@ -53,7 +54,7 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 if chan is None:
-                    chan = JobChannel(self._connect())
+                    chan = self._connect()
                 count += 1
                 chan.beat(self.node, Beat(count, round(time.monotonic() - self._moved_at, 3),
                                           self._in_step))

@@ -15,11 +15,13 @@ into the checkpoint-restart baseline the benchmarks compare with.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import signal
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +67,28 @@ class RunResult:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class StepLedger:
+    """Each committed step's loss and how many of its samples were lost or seen twice: what a
+    local run reports. 24 bytes a step; a restore that redoes steps truncates it to the
+    restored step, so every step counts as its last commit."""
+
+    def __init__(self, batches: StepBatches):
+        self.batches = batches
+        self.losses = array("d")
+        self.lost = array("q")
+        self.duplicated = array("q")
+
+    def record(self, step: int, sample_ids: list[int], loss: float) -> None:
+        for column in (self.losses, self.lost, self.duplicated):
+            del column[step - 1:]
+        assert len(self.losses) == step - 1, "steps are committed in order"
+        expected = set(self.batches.global_sample_ids(step).tolist())
+        ids = set(sample_ids)
+        self.losses.append(loss)
+        self.lost.append(len(expected - ids))
+        self.duplicated.append(len(sample_ids) - len(ids) + len(ids - expected))
 
 
 class LocalJob:
@@ -122,6 +146,9 @@ class LocalJob:
         # When the coordinator last looked at its workers: a death is "detected" then.
         self.detected_at = time.monotonic()
         self.training_from = time.monotonic()
+        # A fresh key per run, handed to the workers only: the channel is signed with it.
+        self.key = penv.new_job_key()
+        self.ledger = StepLedger(self.batches)
 
     # --- processes -----------------------------------------------------------------------
 
@@ -129,8 +156,8 @@ class LocalJob:
         checkpoint = str(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         shares, _ = share_machine(len(self.procs) + 1, self.spec.gpus_per_node, self.gpus)
         env = dict(os.environ, **self.extra_env,
-                   **penv.worker_env(self.spec, f"127.0.0.1:{self.store.port}", name,
-                                     checkpoint),
+                   **penv.worker_env(self.spec, self.name, f"127.0.0.1:{self.store.port}", name,
+                                     key=self.key, checkpoint_path=checkpoint),
                    **{penv.CUDA_VISIBLE_DEVICES: ",".join(shares[-1]),
                       penv.BACKEND: self.backend})
         self.procs[name] = subprocess.Popen(
@@ -208,8 +235,10 @@ class LocalJob:
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.chan = JobChannel(self.store)
+        # Its reads never wait for a key, but one (JobChannel.reports) can: this bounds it.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=30))
+        self.chan = JobChannel(self.store, self.key, self.name)
         self.steps_done = StepCoordinator(
             self.chan, self.on_event,
             Checkpoints.open(str(self.checkpoint_dir), None) if self.checkpoint_dir else None)
@@ -240,7 +269,7 @@ class LocalJob:
                         and time.monotonic() - self.training_from >= 2 * self.duration_s):
                     # No new progress for a whole extra duration (a baseline that restarts
                     # more often than it trains): stop where it stands.
-                    self.steps = max(self.steps_done.records, default=0)
+                    self.steps = self.steps_done.highest_step
                     break
                 self._tick()
                 if self.steps_done.directive is not None:
@@ -301,7 +330,8 @@ class LocalJob:
     def _complete(self, prepared: PreparedStep) -> None:
         """Every rank prepared the step: let the controller see it, then commit it."""
         step, reports = prepared.step, prepared.reports
-        if (self.duration_s is not None and step == max(self.steps_done.records)
+        self.ledger.record(step, prepared.sample_ids, prepared.loss)
+        if (self.duration_s is not None and step == self.steps_done.highest_step
                 and time.monotonic() - self.training_from >= self.duration_s):
             self.steps = step  # out of time: this step is the last
         if step == self.steps:
@@ -370,22 +400,20 @@ class LocalJob:
                 "lowest_replicas": core.lowest_replicas(self.state)}
 
     def _result(self, wall: float, training: float) -> RunResult:
-        done = self.steps_done
-        lost = duplicated = 0
-        for step in range(1, self.steps + 1):
-            ids, _ = done.records.get(step, ([], 0.0))
-            expected = set(self.batches.global_sample_ids(step).tolist())
-            lost += len(expected - set(ids))
-            duplicated += len(ids) - len(set(ids)) + len(set(ids) - expected)
-        losses = [done.records[s][1] for s in sorted(done.records)]
+        done, ledger = self.steps_done, self.ledger
+        recorded = len(ledger.losses)
+        # A step never committed lost its whole batch.
+        unrecorded = max(0, self.steps - recorded) * self.batches.global_batch
         return RunResult(
-            steps_completed=len(done.records), failures=self.failures,
+            steps_completed=recorded, failures=self.failures,
             reconfigurations=done.summaries(), checkpoint_restores=done.restores,
-            samples_lost=lost, samples_duplicated=duplicated, steps_redone=done.redone,
-            losses=losses, workers=done.directive.plan.world_size if done.directive else 0,
+            samples_lost=sum(ledger.lost[:self.steps]) + unrecorded,
+            samples_duplicated=sum(ledger.duplicated[:self.steps]), steps_redone=done.redone,
+            losses=list(ledger.losses),
+            workers=done.directive.plan.world_size if done.directive else 0,
             generation=done.generation, wall_seconds=round(wall, 3),
             training_seconds=round(training, 3),
-            tokens_per_second=round(len(done.records) * self.tokens_per_step / wall, 1))
+            tokens_per_second=round(recorded * self.tokens_per_step / wall, 1))
 
     def _shutdown(self) -> None:
         for n in self.thaw_at:  # a frozen process could not see the stop

@@ -107,8 +107,9 @@ class ExitReporter:
 
     RETRY_S = 0.5
 
-    def __init__(self, coordinator: tuple[str, int], node: str):
+    def __init__(self, coordinator: tuple[str, int], node: str, key: str, job: str):
         self.coordinator, self.node = coordinator, node
+        self._signing = (key, job)
         self._pending: queue.Queue[tuple[int, int]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="exit-reporter", daemon=True)
 
@@ -140,7 +141,8 @@ class ExitReporter:
                 try:
                     if chan is None:
                         chan = JobChannel(dist.TCPStore(
-                            host, port, is_master=False, timeout=datetime.timedelta(seconds=5)))
+                            host, port, is_master=False, timeout=datetime.timedelta(seconds=5)),
+                            *self._signing)
                     chan.rank_exited(member_name(self.node, local_rank), status)
                     break
                 except (CoordinatorLost, RuntimeError, OSError) as e:
@@ -188,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every GPU the pod was given.
     ranks = place_ranks(env.ranks, visible_gpus(env.visible_gpus))
     backend = env.backend or collective_backend(ranks)
-    reporter = ExitReporter(env.coordinator_address, env.node)
+    reporter = ExitReporter(env.coordinator_address, env.node, env.key, env.job)
     agent = NodeAgent(ranks, backend, os.environ, args or WORKER_COMMAND,
                       on_rank_exit=_report(env.node, {r.local_rank: r.gpu for r in ranks},
                                            reporter))

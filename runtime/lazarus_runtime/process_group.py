@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Collectives
-
 from .devices import BACKENDS, GLOO, NCCL
+from .job_channel import group_store
 
 
 class JoinInterrupted(RuntimeError):
@@ -57,7 +57,7 @@ def join_generation(store: dist.Store, generation: int | str, rank: int, world_s
         raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if world_size == 1 and backend == GLOO:
         return Collectives.single()
-    scope = dist.PrefixStore(f"lazarus/gen{generation}", store)
+    scope = group_store(store, str(generation))
     # Backend first: once every member has arrived, every member's backend is counted.
     scope.add(f"backend/{backend}", 1)
     scope.add("arrived", 1)

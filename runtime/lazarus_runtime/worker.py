@@ -86,12 +86,13 @@ class WorkerSettings:
 
 
 class Worker:
-    def __init__(self, connect: Callable[[float], dist.Store], node: str, cfg: RuntimeConfig,
-                 settings: WorkerSettings, local_rank: int = 0):
+    def __init__(self, connect: Callable[[float], dist.Store], key: str, job: str, node: str,
+                 cfg: RuntimeConfig, settings: WorkerSettings, local_rank: int = 0):
         """``connect(timeout_s)``: a new client of the coordinator's store, or an error when
-        none answers within ``timeout_s``. ``local_rank``: which of the node's GPUs (ranks)
-        this process is."""
+        none answers within ``timeout_s``; ``key`` and ``job`` sign every message on it.
+        ``local_rank``: which of the node's GPUs (ranks) this process is."""
         self._connect = connect
+        self._signing = (key, job)
         self.me = member_name(node, local_rank)
         self.cfg = cfg
         self.settings = settings
@@ -102,7 +103,7 @@ class Worker:
         # A step computed whose commit never came because the coordinator died meanwhile.
         self.prepared: int | None = None
         self.incarnation = uuid.uuid4().hex
-        self.heartbeat = Heartbeat(lambda: connect(5.0), self.me)
+        self.heartbeat = Heartbeat(lambda: JobChannel(connect(5.0), key, job), self.me)
         self._reconnect()  # the coordinator may still be starting
 
     # --- the loop of generations ---------------------------------------------------------
@@ -130,7 +131,9 @@ class Worker:
             if generation is None:
                 return 0
             seen = generation
-            directive = self.chan.directive(generation)
+            directive = self.chan.wait_directive(generation, self.settings.plan_timeout_s)
+            if directive is None:
+                continue  # superseded before it could be read: take the newer one
             if self.me not in directive.exchange_ranks():
                 # Left out (lost, then back; or not placed yet): tell the coordinator what
                 # we hold and wait; the controller takes us back, or releases us.
@@ -177,7 +180,7 @@ class Worker:
         while True:
             try:
                 self.store = self._connect(2.0)
-                self.chan = JobChannel(self.store, on_poll=self.heartbeat.tick)
+                self.chan = JobChannel(self.store, *self._signing, on_poll=self.heartbeat.tick)
                 return
             except (RuntimeError, OSError) as e:
                 if time.monotonic() + delay > deadline:
@@ -194,7 +197,7 @@ class Worker:
     def _peer_failed(self, g: int, e: BaseException) -> None:
         """Tell the coordinator a collective failed for a reason other than a newer plan."""
         if not isinstance(e, CollectiveInterrupted):
-            self.chan.peer_failed(g)
+            self.chan.peer_failed(g, self.me)
 
     def _log_ended(self, e: GenerationEnded) -> None:
         # A generation ending is routine (a peer died, a newer plan came): one line in our
@@ -214,6 +217,7 @@ class Worker:
             if time.monotonic() > deadline:
                 raise ChannelTimeout(f"{self.me}: no plan after generation {seen} within "
                                      f"{self.settings.plan_timeout_s:.0f} s")
+            self.chan.guard()
             time.sleep(0.005)
 
     # --- taking a plan -------------------------------------------------------------------
@@ -251,7 +255,7 @@ class Worker:
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
                 self._peer_failed(g, e)
                 raise GenerationEnded.by(f"expert transfers of generation {g}", e) from e
-        self.chan.fetched(g)
+        self.chan.fetched(g, self.me)
         if not self.chan.wait_adopted(g, self.settings.plan_timeout_s):
             raise GenerationEnded(f"generation {g} was superseded before every member "
                                   f"had its state")
@@ -357,19 +361,22 @@ class Worker:
         try:
             info = store.write_shard(step, rank, owned, dense, interrupted=superseded)
         except checkpoint.CheckpointWriteFailed as e:
-            log.warning("%s: checkpoint of step %d skipped: %s", self.node, step, e)
+            log.warning("%s: checkpoint of step %d skipped: %s", self.me, step, e)
             info = {"error": str(e)}
         self.chan.checkpoint_written(d.generation, step, rank, info)
         if rank != 0:
             return
         world = d.plan.world_size
-        done = self.chan.wait_until(
-            lambda: self.chan.checkpoint_count(d.generation, step) >= world,
-            self.settings.collective_timeout_s, f"checkpoint of step {step}",
-            interrupted=superseded)
-        if not done:
+        shards: list[dict] = []
+
+        def written() -> bool:
+            got = self.chan.checkpoint_shards(d.generation, step, world)
+            shards.extend(got or [])
+            return got is not None
+
+        if not self.chan.wait_until(written, self.settings.collective_timeout_s,
+                                    f"checkpoint of step {step}", interrupted=superseded):
             return
-        shards = self.chan.checkpoint_shards(d.generation, step, world)
         failed = [s["error"] for s in shards if "error" in s]
         if not failed:
             try:
@@ -377,7 +384,7 @@ class Worker:
             except checkpoint.CheckpointWriteFailed as e:
                 failed = [str(e)]
         if failed:
-            log.warning("%s: no checkpoint of step %d: %s", self.node, step, failed[0])
+            log.warning("%s: no checkpoint of step %d: %s", self.me, step, failed[0])
             self.chan.report_checkpoint(step, f"checkpoint of step {step} skipped: {failed[0]}")
             return
         self.chan.set_checkpoint(step)
@@ -423,7 +430,7 @@ def main() -> int:
                              timeout=datetime.timedelta(seconds=timeout_s))
 
     try:
-        worker = Worker(connect, env.node, cfg, settings, env.local_rank)
+        worker = Worker(connect, env.key, env.job, env.node, cfg, settings, env.local_rank)
     except CoordinatorLost as e:
         print(f"lazarus worker: error: no coordinator at {env.coordinator}: {e}", file=sys.stderr)
         return 1

@@ -2,19 +2,10 @@
 import pytest
 from kubernetes import client
 
-from testcluster.kube import token_client
+from testcluster.kube import status_of, token_client
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.cluster
-
-
-def status_of(call) -> int:
-    """The HTTP status a call answers with (200 when it succeeds)."""
-    try:
-        call()
-    except client.ApiException as e:
-        return e.status
-    return 200
 
 
 def test_service_account_is_denied_until_a_role_binding_allows_it(cluster, namespace):

@@ -15,8 +15,8 @@ from testcluster.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "lazarus"
-OPTIONAL_ON = ["--set", "metrics.serviceMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true",
-               "--set", "workers.namespaces={team-a}"]
+OPTIONAL_ON = ["--set", "metrics.serviceMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true"]
+NAMESPACED = ["--set", "operator.allNamespaces=false", "--set", "operator.namespaces={team-a,team-b}"]
 
 
 def helm(*args: str, timeout: float = 120) -> str:
@@ -56,6 +56,7 @@ def test_crd_schema_has_no_null_values():
 def test_helm_lint_passes_with_defaults_and_every_option():
     helm("lint", str(CHART))
     helm("lint", str(CHART), *OPTIONAL_ON)
+    helm("lint", str(CHART), *OPTIONAL_ON, *NAMESPACED)
 
 
 def test_every_value_is_documented():
@@ -80,18 +81,23 @@ def test_every_value_is_documented():
 def test_rendered_chart_is_least_privilege_and_secure():
     docs = render(*OPTIONAL_ON)
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "RoleBinding",
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
             "ServiceMonitor", "ConfigMap", "ClusterKopfPeering"} <= kinds
     roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
-    operator, worker = roles["lz-operator"], roles["lz-worker"]
-    for role in (operator, worker):
+    assert set(roles) == {"lz-operator", "lz-operator-cluster"}  # workers need no role
+    grants = {role: {(r, v) for rule in roles[role]["rules"] for r in rule["resources"]
+                     for v in rule["verbs"]} for role in roles}
+    for role in roles.values():
         for rule in role["rules"]:
-            assert "secrets" not in rule["resources"] and "*" not in rule["resources"]
-            assert "*" not in rule["verbs"] and "escalate" not in rule["verbs"]
-    # A job's pods read the plan and write the job's state ConfigMap, nothing else.
-    assert {(r, v) for rule in worker["rules"] for r in rule["resources"] for v in rule["verbs"]} == {
-        ("configmaps", "get"), ("configmaps", "list"), ("configmaps", "watch"),
-        ("configmaps", "patch")}
+            assert "*" not in rule["resources"] and "*" not in rule["verbs"]
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+    # Secrets: the job's key is created, never read back.
+    assert {v for r, v in grants["lz-operator"] if r == "secrets"} == {"create"}
+    # The coordinator's disruption budget is created, nothing more.
+    assert {v for r, v in grants["lz-operator"] if r == "poddisruptionbudgets"} == {"get", "create"}
+    # What has no namespace is only read.
+    assert {v for _, v in grants["lz-operator-cluster"]} <= {"get", "list", "watch", "patch"}
+    assert {r for r, v in grants["lz-operator-cluster"] if v == "patch"} == {"clusterkopfpeerings"}
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -102,6 +108,22 @@ def test_rendered_chart_is_least_privilege_and_secure():
     assert "lazarus_recovery_probability" in dashboard["data"]["lazarus.json"]
 
 
+def test_a_namespaced_operator_is_granted_its_rights_only_in_its_namespaces():
+    docs = render(*NAMESPACED)
+    cluster_bindings = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    # Cluster-wide: only the read-only role (nodes, namespaces, CRDs).
+    assert [b["roleRef"]["name"] for b in cluster_bindings] == ["lz-operator-cluster"]
+    cluster_role = next(d for d in docs if d["metadata"]["name"] == "lz-operator-cluster")
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
+        "customresourcedefinitions", "namespaces", "nodes"}
+    assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert {b["roleRef"]["name"] for b in bindings} == {"lz-operator"}
+    peerings = [d for d in docs if d["kind"] == "KopfPeering"]
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+
+
 @pytest.mark.cluster
 def test_chart_installs_and_the_operator_runs_with_only_its_rbac(cluster, namespace, lazarus_crds,
                                                                   operator_factory, jobs,
@@ -110,7 +132,7 @@ def test_chart_installs_and_the_operator_runs_with_only_its_rbac(cluster, namesp
     kubeconfig = ["--kubeconfig", str(cluster.kubeconfig)]
     helm("install", release, str(CHART), "-n", namespace, *kubeconfig,
          "--set", "operator.allNamespaces=false", "--set", f"operator.namespaces={{{namespace}}}",
-         "--set", f"workers.namespaces={{{namespace}}}", "--set", "replicaCount=1")
+         "--set", "replicaCount=1")
     try:
         token = cluster.core.create_namespaced_service_account_token(
             f"{release}-operator", namespace,
@@ -146,14 +168,15 @@ def test_chart_installs_and_the_operator_runs_with_only_its_rbac(cluster, namesp
                    timeout=30, what="the job to lose a node and go on with the spare one")
         assert set(jobs.plan_nodes("chart")) <= set(made)
         assert "Forbidden" not in op.log_text()[before:] and "403" not in op.log_text()[before:]
-        # The workers' ServiceAccount reads the plan but no Secrets.
-        worker_token = cluster.core.create_namespaced_service_account_token(
-            "lazarus-worker", namespace, client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token
-        as_worker = client.CoreV1Api(token_client(cluster.kubeconfig, worker_token))
-        assert as_worker.read_namespaced_config_map("chart-plan", namespace).data["plan.json"]
+        # Everything the job needed (its key Secret, its coordinator's account and Role, its
+        # NetworkPolicy) was created under the chart's RBAC, without one refusal.
+        assert "Forbidden" not in op.log_text(), op.tail()
+        assert jobs.status("chart")["keySecret"].startswith("chart-key-")
+        # Namespaced means namespaced: nothing can be created anywhere else.
         with pytest.raises(client.ApiException) as denied:
-            as_worker.list_namespaced_secret(namespace)
+            as_operator.create_namespaced_pod("kube-system", {
+                "metadata": {"name": "lazarus-probe"},
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]}})
         assert denied.value.status == 403
     finally:
         for op in operator_factory.made:  # stop it before its RBAC goes away

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from lazarus_runtime.checkpoint import Checkpoints
-from jobkit import JobClient, kubectl
+from jobkit import JobClient
 from test_full_stack import (STEP_TIMEOUT_S, TOLERANCE, Stack, assert_losses_match,  # noqa: F401
-                             install_worker_rbac, job_manifest, record, stack,
-                             start_operator, worker_rbac)
+                             job_manifest, record, stack, start_operator)
 from testcluster import faults
 from testcluster.kubelet import LABEL, LocalKubelet
 from testcluster.waits import wait_until
@@ -192,7 +191,6 @@ def neighbour(cluster, stack, operator_factory, scratch_nodes, tmp_path):
     wait_until(lambda: cluster.core.list_namespaced_service_account(
         namespace, field_selector="metadata.name=default").items, timeout=30,
         what=f"the default ServiceAccount of {namespace}")
-    release = install_worker_rbac(cluster, namespace, tmp_path / "rbac-next.yaml")
     kubelet = LocalKubelet(cluster.api, namespace, tmp_path / "kubelet-next").start()
 
     def nodes(pool: str, num_zones: int = 1, nodes_per_zone: int = 1) -> dict:
@@ -213,7 +211,6 @@ def neighbour(cluster, stack, operator_factory, scratch_nodes, tmp_path):
     cluster.core.delete_collection_namespaced_pod(namespace, label_selector=LABEL,
                                                   body={"gracePeriodSeconds": 0})
     cluster.core.delete_namespace(namespace)
-    kubectl(cluster, "delete", "clusterrole", f"{release}-worker", "--ignore-not-found")
 
 
 def own_reference(stack: Stack, runtime: dict, steps: int) -> list[float]:
@@ -230,7 +227,7 @@ def own_reference(stack: Stack, runtime: dict, steps: int) -> list[float]:
 def test_two_jobs_with_one_checkpoint_path_each_restore_their_own(cluster, stack, neighbour,
                                                                   scratch_nodes):
     shared = stack.tmp / "shared-ckpt"  # both jobs name it; both are called e2e, too
-    tiny = {"model": "tiny", "experts": 4, "layers": 2, "topK": 2, "learningRate": "3e-3"}
+    tiny = {"model": "tiny", "experts": 4, "layers": 2, "topK": 2, "learningRate": "0.003"}
     b = neighbour.stack
     jobs = {"a": (stack, scratch_nodes, tiny | {"seed": 0}),
             "b": (b, neighbour.nodes, tiny | {"seed": 1})}  # different weights, losses

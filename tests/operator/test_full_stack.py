@@ -30,7 +30,7 @@ import pytest
 import yaml
 from lazarus_core.plan import member_node
 
-from jobkit import JobClient, kubectl, settle, tool
+from jobkit import JobClient, kubectl, settle
 from testcluster import faults
 from testcluster.pooljob import on_pools
 from testcluster.waits import wait_until
@@ -212,33 +212,10 @@ def record(scenario: str, result: dict) -> None:
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
 
-def install_worker_rbac(cluster, namespace: str, path: Path) -> str:
-    """The chart's worker ServiceAccount and role, rendered by helm for ``namespace``;
-    returns the release, whose ClusterRole the caller deletes."""
-    helm = tool("helm")
-    if helm is None:
-        pytest.skip("helm is not cached; run hack/build-control-plane.sh")
-    release = f"e2e-{namespace[-6:]}"
-    rendered = subprocess.run(
-        [str(helm), "template", release, str(ROOT / "helm" / "lazarus"), "--namespace",
-         namespace, "--set", f"workers.namespaces={{{namespace}}}",
-         "--show-only", "templates/rbac-workers.yaml"],
-        capture_output=True, text=True, check=True, timeout=60).stdout
-    path.write_text(rendered)
-    kubectl(cluster, "apply", "-f", str(path))
-    return release
-
-
-@pytest.fixture
-def worker_rbac(cluster, namespace, tmp_path):
-    release = install_worker_rbac(cluster, namespace, tmp_path / "rbac.yaml")
-    yield
-    kubectl(cluster, "delete", "clusterrole", f"{release}-worker", "--ignore-not-found")
-
-
 def start_operator(operator_factory, watch: str | None = None):
     """An operator for the e2e tier, with a coordinator port of its own: every
-    coordinator listens on this host."""
+    coordinator listens on this host. (The job's pods need no RBAC installed beside it: the
+    operator gives each job's coordinator a ServiceAccount and Role of its own.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -247,8 +224,7 @@ def start_operator(operator_factory, watch: str | None = None):
 
 
 @pytest.fixture
-def stack(request, cluster, namespace, operator_factory, jobs, worker_rbac, scratch_nodes,
-          tmp_path):
+def stack(request, cluster, namespace, operator_factory, jobs, scratch_nodes, tmp_path):
     """The job's pods as processes, or with ``indirect`` parametrization "containers", from
     the runtime image."""
     containers = getattr(request, "param", "processes") == "containers"
@@ -649,3 +625,49 @@ def test_a_job_with_spec_steps_trains_that_many_and_finishes(cluster, stack, scr
                what="the coordinator and workers to exit 0", describe=lambda: str(phases()))
     settle(3)
     assert sorted(phases()) == ["e2e-coordinator-0", "e2e-worker-0", "e2e-worker-1"]
+
+
+def test_a_hostile_pod_without_the_key_changes_nothing(cluster, stack, scratch_nodes, namespace):
+    """A pod in the job's namespace, wearing the job's label (so a NetworkPolicy selecting
+    the job's pods would let it in too), runs tests/hostile_store_client.py as a real
+    process: it connects to the coordinator's store and, round after round, writes a stop,
+    forges and replays commits and directives, points the workers at a generation of its
+    making, bumps counters and deletes keys. No network plugin runs here, so the job's
+    NetworkPolicy is not enforced and the pod does reach the store: the job's key, which
+    it does not have, is what stops it. The job trains on, in the same generation."""
+    nodes = [n for names in scratch_nodes("gpu-spot", num_zones=2, nodes_per_zone=2).values()
+             for n in names]
+    stack.apply()
+    stack.wait_step(6)
+    generation = stack.generation()
+    coordinator = cluster.core.read_namespaced_pod(f"{stack.name}-coordinator-0", namespace)
+    port = coordinator.spec.containers[0].ports[0].container_port
+    cluster.core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "hostile", "labels": {"lazarus.dev/kubelet": "local",
+                                                   "lazarus.dev/job": stack.name}},
+        "spec": {"nodeName": nodes[0], "restartPolicy": "Never",
+                 "tolerations": [{"operator": "Exists"}],
+                 "containers": [{
+                     "name": "attacker", "image": "python",
+                     "command": ["python", str(ROOT / "tests" / "hostile_store_client.py"),
+                                 "$(TARGET)"],
+                     "env": [{"name": "TARGET",
+                              "value": f"{stack.name}-coordinator.{namespace}.svc:{port}"}]}]}})
+    attack_log = stack.kubelet.log_path("hostile")
+
+    def rounds() -> int:  # the attacker prints the number of each round it completes
+        return sum(line.isdigit() for line in attack_log.read_text().splitlines())
+
+    wait_until(lambda: attack_log.exists() and rounds() >= 5,
+               timeout=60, what="the hostile pod's first rounds")
+    attacked_from = stack.last_step()
+    stack.wait_step(attacked_from + 10)
+    assert rounds() >= 5, attack_log.read_text()[-2000:]
+    # Same generation, no stop, no step committed twice, and the forgeries were seen.
+    assert stack.generation() == generation and not stack.events("finished")
+    commits = stack.commits()
+    assert commits == list(range(1, len(commits) + 1)), commits
+    coordinator_log = stack.kubelet.log_path(f"{stack.name}-coordinator-0").read_text()
+    assert "not signed with the job's key" in coordinator_log, coordinator_log[-3000:]
+    status = stack.jobs.status(stack.name)
+    assert status["generation"] == generation and status["readyNodes"] == 4

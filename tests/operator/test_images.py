@@ -108,7 +108,7 @@ def chart_docs(release: str, namespace: str, image: str) -> list[dict]:
     rendered = subprocess.run(
         [str(helm), "template", release, str(ROOT / "helm" / "lazarus"), "--namespace", namespace,
          "--set", "operator.allNamespaces=false", "--set", f"operator.namespaces={{{namespace}}}",
-         "--set", f"workers.namespaces={{{namespace}}}", "--set", f"image.repository={repository}",
+         "--set", f"image.repository={repository}",
          "--set", f"image.tag={tag}", "--set", "replicaCount=1"],
         capture_output=True, text=True, check=True, timeout=60).stdout
     return [d for d in yaml.safe_load_all(rendered) if d]

@@ -13,6 +13,7 @@ pytest.importorskip("kubernetes")  # the coordinator talks to the API server
 import torch.distributed as dist  # noqa: E402
 from lazarus_core.controller import STALLED, Progress  # noqa: E402
 from lazarus_core.plan import member_name  # noqa: E402
+from lazarus_core.process_env import new_job_key  # noqa: E402
 from lazarus_core.solver import plan_job, replan  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
 
@@ -53,7 +54,7 @@ class State:
 def job():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
-    chan, plans, progress = JobChannel(store), Plans(), State()
+    chan, plans, progress = JobChannel(store, new_job_key(), "job"), Plans(), State()
     yield chan, plans, progress
     del store
 
@@ -73,8 +74,8 @@ def running(chan, plans, progress, **options) -> ClusterCoordinator:
     chan.hello(member_name(NODES[3].name, 0), Hello(NODES[3].name))
     coord.tick()
     assert chan.latest() == 1
-    for _ in NODES:
-        chan.fetched(1)
+    for n in NODES:
+        chan.fetched(1, member_name(n.name, 0))
     coord.tick()
     assert coord.steps.adopted is not None
     return coord
@@ -96,7 +97,7 @@ def test_a_plan_without_a_live_member_is_published_at_once_and_the_step_is_dropp
 
     assert chan.latest() == 2
     assert chan.directive(2).start_step == 1  # step 1 is redone under generation 2
-    assert not chan.store.check(["lazarus/commit/1/1"])
+    assert chan.committed(1, 1) is None
 
 
 def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
@@ -109,7 +110,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
 
     prepare(chan, 1, 1, world=4)
     coord.tick()  # the joiner has not said hello: step 1 commits under generation 1
-    assert chan.latest() == 1 and chan.store.get("lazarus/commit/1/1") == b"1"
+    assert chan.latest() == 1 and chan.committed(1, 1) == 1
     chan.hello("n4/0", Hello("n4"))
     coord.tick()
     assert chan.latest() == 1, "growth must wait for a step boundary"
@@ -117,7 +118,7 @@ def test_growth_waits_for_the_joiner_and_then_for_the_step_boundary(job):
     coord.tick()
 
     # Step 2 is committed and, in the same breath, the workers are sent to generation 2.
-    assert chan.store.get("lazarus/commit/1/2") == b"2" and chan.latest() == 2
+    assert chan.committed(1, 2) == 2 and chan.latest() == 2
     directive = chan.directive(2)
     assert directive.start_step == 3 and directive.joiners == ("n4/0",)
     assert [p.step for p in progress.reports] == [1, 2]

@@ -36,16 +36,22 @@ if sys.argv[2] != "exit":
 """
 
 
+JOB, KEY = "job", penv.new_job_key()
+
+
 @pytest.fixture
 def coordinator() -> JobChannel:
     """The coordinator's side of the store the agent reports to."""
     port = free_port()
-    return JobChannel(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+    return JobChannel(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False),
+                      KEY, JOB)
 
 
-def start_agent(tmp: Path, chan: JobChannel, ranks: int, mode: str, **env) -> subprocess.Popen:
+def start_agent(tmp: Path, chan: JobChannel, ranks: int, mode: str, key: str = KEY,
+                **env) -> subprocess.Popen:
     environ = dict(os.environ, **{penv.NODE_NAME: "node-a", penv.GPUS_PER_NODE: str(ranks),
                                   penv.COORDINATOR: f"127.0.0.1:{chan.store.port}",
+                                  penv.JOB: JOB, penv.JOB_KEY: key,
                                   penv.LOG_LEVEL: "INFO"}, **env)
     return subprocess.Popen(
         [sys.executable, "-m", "lazarus_runtime.node_agent", "--",
@@ -113,6 +119,19 @@ def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_pat
     assert "rank 1 (the CPU) exited with status -9" in log, log
     assert code == 128 + signal.SIGKILL  # no rank finished normally; the first failure
     assert not alive(pids[0]) and not alive(pids[2])
+
+
+@pytest.mark.timeout(120)
+def test_an_exit_report_under_another_key_is_not_believed(tmp_path, coordinator):
+    agent = start_agent(tmp_path, coordinator, 2, "sleep", key=penv.new_job_key(),
+                        CUDA_VISIBLE_DEVICES="")
+    pids = [r["pid"] for r in reports(tmp_path, 2)]
+    os.kill(pids[1], signal.SIGKILL)
+    wait_until(lambda: coordinator.rejected > 0 or coordinator.exits(["node-a/1"]),
+               timeout=10, what="the agent's report to arrive")
+    assert coordinator.exits(["node-a/0", "node-a/1"]) == {}
+    agent.kill()
+    agent.wait(timeout=10)
 
 
 @pytest.mark.timeout(120)

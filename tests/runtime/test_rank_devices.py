@@ -65,7 +65,8 @@ def test_visible_gpus_are_read_as_cuda_reads_them(value, gpus):
 
 
 def test_a_rank_reads_the_device_and_backend_its_agent_gives_it():
-    base = {penv.COORDINATOR: "h:1", penv.NODE_NAME: "n", penv.RUNTIME: "{}"}
+    base = {penv.COORDINATOR: "h:1", penv.NODE_NAME: "n", penv.RUNTIME: "{}",
+            penv.JOB: "job", penv.JOB_KEY: penv.new_job_key()}
     on_gpu = penv.read_worker_env(base | penv.rank_env(1, "GPU-5f0e", "nccl"))
     assert (on_gpu.local_rank, on_gpu.device, on_gpu.backend) == (1, "cuda", "nccl")
     cpu_env = penv.rank_env(0, None, "gloo")
@@ -79,7 +80,8 @@ def test_a_rank_reads_the_device_and_backend_its_agent_gives_it():
 def test_an_unknown_backend_names_the_variable():
     with pytest.raises(penv.EnvError, match=penv.BACKEND):
         penv.read_worker_env({penv.COORDINATOR: "h:1", penv.NODE_NAME: "n",
-                              penv.RUNTIME: "{}", penv.BACKEND: "mpi"})
+                              penv.RUNTIME: "{}", penv.JOB: "job",
+                              penv.JOB_KEY: penv.new_job_key(), penv.BACKEND: "mpi"})
     with pytest.raises(ValueError, match="backend"):
         join_generation(None, 1, 0, 2, backend="mpi")
 

@@ -34,12 +34,22 @@ def test_bad_flags_exit_2_with_one_line(args, field):
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
 
 
-def test_a_bad_manifest_names_the_field(tmp_path):
-    bad = tmp_path / "job.yaml"
-    bad.write_text(Path(EXAMPLE).read_text().replace("minReplicas: 2", "minReplicas: 0"))
-    out = lazarus(str(bad), "--local")
+@pytest.mark.parametrize("good, bad, field", [
+    ("minReplicas: 2", "minReplicas: 0", "spec.minReplicas"),
+    # The CRD refuses these too: `lazarus run` holds a manifest to the same rules.
+    ("topK: 2", "topK: 3", "spec.runtime.topK"),
+    ("cpu: 500m", "cpu: lots", "spec.template.resources.requests[cpu]"),
+    ("name: tiny", "name: 1tiny", "metadata.name"),
+    ('learningRate: "0.003"', "learningRate: 0.003", "spec.runtime.learningRate"),
+])
+def test_a_bad_manifest_names_the_field(tmp_path, good, bad, field):
+    manifest = Path(EXAMPLE).read_text()
+    assert good in manifest
+    path = tmp_path / "job.yaml"
+    path.write_text(manifest.replace(good, bad))
+    out = lazarus(str(path), "--local")
     assert out.returncode == 2
-    assert "spec.minReplicas" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert field in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -31,6 +31,16 @@ def token_client(kubeconfig: str, token: str) -> client.ApiClient:
     return client.ApiClient(conf)
 
 
+def status_of(call) -> int:
+    """The HTTP status a call answers with (200 when it succeeds): how RBAC tests read a
+    request's fate."""
+    try:
+        call()
+    except client.ApiException as e:
+        return e.status
+    return 200
+
+
 def pod_token(core: client.CoreV1Api, pod: client.V1Pod, ttl_s: int = POD_TOKEN_TTL_S,
               audience: str | None = None) -> str:
     """A token of the pod's ServiceAccount bound to the pod, as the kubelet mounts one: it

@@ -1,7 +1,7 @@
 """A LazarusJob for the node pools of hack/nodepools.yaml (the local kwok cluster or kind):
-its workers go to the spot GPU pool and its coordinator to the system pool, under the chart's
-worker ServiceAccount, and its pods carry the label that the local kubelet
-(testcluster.kubelet) runs on kwok's nodes (kind's real kubelets ignore it).
+its workers go to the spot GPU pool and its coordinator to the system pool, and its pods carry
+the label that the local kubelet (testcluster.kubelet) runs on kwok's nodes (kind's real
+kubelets ignore it). Workers need no ServiceAccount; the operator gives the coordinator one.
 
     python -m testcluster.pooljob examples/tiny-cpu.yaml --namespace NS [--image IMAGE]
 """
@@ -21,8 +21,6 @@ SPOT_TOLERATIONS = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
     {"key": "cloud.google.com/gke-spot", "operator": "Exists", "effect": "NoSchedule"},
 ]
-# The chart's default name for it (helm/lazarus/values.yaml, workers.serviceAccountName).
-WORKER_SERVICE_ACCOUNT = "lazarus-worker"
 
 
 def on_pools(doc: dict, namespace: str, node_labels: dict[str, str] | None = None,
@@ -35,7 +33,6 @@ def on_pools(doc: dict, namespace: str, node_labels: dict[str, str] | None = Non
     spec["coordinator"] = {"nodeSelector": selector | {POOL_LABEL: "system"}}
     template = spec.setdefault("template", {})
     template["labels"] = {LABEL: "local"} | template.get("labels", {})
-    template["serviceAccountName"] = WORKER_SERVICE_ACCOUNT
     template["nodeSelector"] = selector | {POOL_LABEL: "gpu-spot"}
     template["tolerations"] = SPOT_TOLERATIONS
     if image:

@@ -273,7 +273,7 @@ def gpu_nodes(*names, gpus=2, slots=2):
 
 
 def test_a_lost_gpu_replans_its_node_on_the_gpus_left_at_once():
-    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2)
+    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2, maxNodes=4)
     state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)),
                      c.NodesJoined(gpu_nodes("n0", "n1", "n2")), T0).state
     state = c.handle(state, c.Progress(step=4, generation=1), T0).state
@@ -292,7 +292,7 @@ def test_a_lost_gpu_replans_its_node_on_the_gpus_left_at_once():
 
 
 def test_a_plan_that_names_a_lost_gpu_is_stale_until_replaced():
-    spec = job(replicas=2, gpusPerNode=2, slotsPerGpu=2)
+    spec = job(replicas=2, gpusPerNode=2, slotsPerGpu=2, maxNodes=4)
     state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)),
                      c.NodesJoined(gpu_nodes("n0", "n1")), T0).state
     shrunk = dataclasses.replace(state, nodes=(state.nodes[0],
@@ -302,7 +302,7 @@ def test_a_plan_that_names_a_lost_gpu_is_stale_until_replaced():
 
 def test_losing_gpus_below_the_slots_the_replicas_need_waits_for_capacity():
     # 4 experts x 2 replicas need 8 slots; two nodes of 2 GPUs x 2 slots have exactly 8.
-    spec = job(replicas=2, gpusPerNode=2, slotsPerGpu=2)
+    spec = job(replicas=2, gpusPerNode=2, slotsPerGpu=2, maxNodes=4)
     state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)),
                      c.NodesJoined(gpu_nodes("n0", "n1")), T0).state
     out = c.handle(state, c.GpusLost((gpu_nodes("n1")[0].without_gpus({1}),)), T0 + 1)
@@ -311,7 +311,7 @@ def test_losing_gpus_below_the_slots_the_replicas_need_waits_for_capacity():
 
 
 def test_a_gpu_whose_rank_resumes_rejoins_the_plan_at_a_step_boundary():
-    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2)
+    spec = job(replicas=3, gpusPerNode=2, slotsPerGpu=2, maxNodes=4)
     full = gpu_nodes("n0", "n1", "n2")
     state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0)), c.NodesJoined(full), T0).state
     state = c.handle(state, c.Progress(step=4, generation=1), T0).state

@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import bad_specs
+
 from lazarus_core.job_spec import (
     DEFAULT_SPOT_NOTICE_TAINTS,
     DEFAULTS,
@@ -112,3 +114,73 @@ def test_every_example_is_a_runtime_config_the_workers_accept():
         _, spec = parse_manifest(yaml.safe_load(path.read_text()))
         model = config.RuntimeConfig.from_manifest(dict(spec.runtime)).model
         assert (model.experts, model.layers) == (spec.experts, spec.layers), path.name
+
+
+def _valid_manifest() -> dict:
+    return {"apiVersion": "lazarus.dev/v1alpha1", "kind": "LazarusJob",
+            "metadata": {"name": "ok"}, "spec": spec(slotsPerGpu=4)}
+
+
+@pytest.mark.parametrize("case", bad_specs.params())
+def test_the_parser_refuses_every_bad_spec_of_the_shared_table(case):
+    """The same table the API server and the operator are held to (tests/bad_specs.py)."""
+    parse_manifest(_valid_manifest())
+    with pytest.raises(SpecError) as e:
+        parse_manifest(case.apply(_valid_manifest()))
+    named = [v for v in e.value.violations if v.field.startswith(case.field)]
+    assert named, f"{case.id}: {e.value}"
+    if case.reason:
+        assert case.reason in {v.reason for v in named}, e.value
+
+
+def _crd_schema() -> dict:
+    crd = yaml.safe_load((ROOT / "crds" / "lazarusjob.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_parser_bounds_and_patterns_equal_the_crds():
+    from lazarus_core import job_spec, quantity, runtime_config
+
+    schema = _crd_schema()
+    props = schema["properties"]["spec"]["properties"]
+    for key, (low, high) in job_spec.LIMITS.items():
+        assert (props[key]["minimum"], props[key]["maximum"]) == (low, high), key
+    runtime = props["runtime"]["properties"]
+    keys = {"layers": "layers", "dim": "dim", "heads": "heads", "experts": "experts",
+            "ffn_dim": "ffnDim", "vocab": "vocab", "seq_len": "seqLen"}
+    for name, high in runtime_config.MODEL_LIMITS.items():
+        assert (runtime[keys[name]]["minimum"], runtime[keys[name]]["maximum"]) == (1, high), name
+    assert runtime["seed"]["maximum"] == runtime["dataSeed"]["maximum"] == runtime_config.MAX_SEED
+    assert runtime["globalBatch"]["maximum"] == runtime_config.MAX_GLOBAL_BATCH
+    assert runtime["generatedTokens"]["maximum"] == runtime_config.MAX_GENERATED_TOKENS
+    assert set(runtime["model"]["enum"]) == set(runtime_config.NAMED_MODELS)
+    for knob in ("learningRate", "weightDecay", "beta1", "beta2"):
+        assert runtime[knob]["pattern"] == runtime_config._DECIMAL.pattern, knob
+    for section in ("template", "coordinator"):
+        amounts = props[section]["properties"]["resources"]["additionalProperties"]
+        assert amounts["additionalProperties"]["pattern"] == quantity.PATTERN, section
+    name = schema["properties"]["metadata"]["properties"]["name"]
+    assert name["maxLength"] == job_spec.MAX_NAME_LENGTH
+
+
+def test_the_runtime_section_is_checked_by_the_workers_own_parser():
+    # A runtime the workers would refuse is refused here, with the field the workers name.
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec(runtime={"experts": 4, "layers": 2, "learningRate": "abc",
+                                 "model": "tiny"}))
+    assert [v.field for v in e.value.violations] == ["spec.runtime.learningRate"]
+    # experts and layers are required by the spec even though the named model has them.
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec(runtime={"model": "gpt-s"}))
+    assert {v.field for v in e.value.violations} == {"spec.runtime.experts",
+                                                     "spec.runtime.layers"}
+
+
+def test_a_paper_model_on_its_paper_node_fits_and_a_huge_one_does_not():
+    gpt_l = {"model": "gpt-l", "experts": 16, "layers": 12, "globalBatch": 64}
+    assert parse_spec(spec(runtime=gpt_l, gpusPerNode=8, slotsPerGpu=6, maxNodes=4,
+                           minNodes=2, minReplicas=2)).experts == 16
+    wide = gpt_l | {"ffnDim": 262144}
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec(runtime=wide, gpusPerNode=8, slotsPerGpu=6, maxNodes=4, minNodes=2))
+    assert e.value.reason == "ModelTooLarge" and "288 GiB" in str(e.value)

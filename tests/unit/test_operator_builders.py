@@ -24,7 +24,7 @@ SPEC = parse_spec({
     "spotNoticeTaints": [{"key": "karpenter.sh/disrupted"}],
     "coordinator": {"nodeSelector": {"pool": "cpu"}},
     "template": {"image": "img:1", "nodeSelector": {"pool": "gpu"}, "serviceAccountName": "sa",
-                 "labels": {"team": "moe", "lazarus.dev/role": "not mine"},
+                 "labels": {"team": "moe", "lazarus.dev/role": "not-mine"},
                  "resources": {"limits": {"nvidia.com/gpu": 2}},
                  "tolerations": [{"key": "spot", "operator": "Exists"}],
                  "env": [{"name": "EXTRA", "value": "1"},
@@ -32,8 +32,27 @@ SPEC = parse_spec({
 })
 
 
+KEY = penv.new_job_key()
+KEY_SECRET = "j-key-x7k2p"
+
+
+def _environment(container: dict, node: str = "node-7") -> dict[str, str]:
+    """The variables the process sees, as the kubelet fills them in: the downward API's node
+    name, and the job's key from its Secret."""
+    seen = {}
+    for e in container["env"]:
+        ref = e.get("valueFrom", {})
+        if "secretKeyRef" in ref:
+            assert ref["secretKeyRef"] == {"name": KEY_SECRET, "key": builders.KEY_SECRET_ENTRY}
+            seen[e["name"]] = KEY
+        else:
+            seen[e["name"]] = e.get("value", node)
+    return seen
+
+
 def test_worker_pod_carries_the_plan_location_and_secure_defaults():
-    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7, job_uid="uid-1")
+    pod = builders.build_worker_pod("j", "ns", SPEC, 3, generation=7, key_secret=KEY_SECRET,
+                                    job_uid="uid-1")
     assert pod["metadata"]["name"] == "j-worker-3"
     assert pod["metadata"]["annotations"][builders.GENERATION_ANNOTATION] == "7"
     c = pod["spec"]["containers"][0]
@@ -42,9 +61,9 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert env[penv.JOB]["value"] == "j"  # the template cannot redirect a worker
     assert env["EXTRA"]["value"] == "1"
     assert env[penv.NODE_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    # What the worker reads from it (the kubelet fills in the downward API's node name).
-    seen = {k: e.get("value", "node-7") for k, e in env.items()}
-    worker = penv.read_worker_env(seen)
+    # What the worker reads from it.
+    worker = penv.read_worker_env(_environment(c))
+    assert (worker.job, worker.key) == ("j", KEY)
     assert worker.coordinator_address == ("j-coordinator.ns.svc", 29400)
     assert (worker.node, worker.runtime["model"]) == ("node-7", "tiny")
     assert (worker.checkpoint_path, worker.checkpoint_every_steps, worker.checkpoint_keep,
@@ -57,7 +76,14 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"  # a Quantity string
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    scratch = {v["name"]: v for v in pod["spec"]["volumes"]}[builders.SCRATCH_VOLUME]
+    assert "emptyDir" in scratch and {"name": builders.SCRATCH_VOLUME, "mountPath": "/tmp"} in c[
+        "volumeMounts"]
+    # The job gave its workers an account (e.g. for checkpoint storage): they mount it.
+    assert pod["spec"]["automountServiceAccountToken"] is True
+    assert pod["spec"]["serviceAccountName"] == "sa"
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
     anti = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -65,16 +91,20 @@ def test_worker_pod_carries_the_plan_location_and_secure_defaults():
 
 
 def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_it():
-    pod = builders.build_coordinator_pod("j", "ns", SPEC, index=3, port=1234, job_uid="uid-1")
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, index=3, port=1234,
+                                         job_uid="uid-1")
     svc = builders.build_coordinator_service("j", "ns", port=1234)
     c = pod["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = _environment(c)
     assert (pod["metadata"]["name"], svc["metadata"]["name"]) == ("j-coordinator-3", "j-coordinator")
     assert c["command"][-1] == "lazarus_runtime.cluster_coordinator"
     coordinator = penv.read_coordinator_env(env)
     assert (coordinator.job, coordinator.plan_configmap, coordinator.state_configmap,
             coordinator.port) == ("j", "j-plan", "j-state", 1234)
     assert coordinator.steps is None  # trains until deleted
+    assert coordinator.key == KEY
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": builders.SCRATCH_VOLUME, "mountPath": "/tmp"} in c["volumeMounts"]
     # It chooses the checkpoint to restore, so it reads the job's checkpoints too.
     assert (coordinator.checkpoint_path, coordinator.job_uid) == ("s3://bucket/ckpt", "uid-1")
     assert c["envFrom"] == [{"secretRef": {"name": "ckpt-creds"}}]
@@ -92,28 +122,86 @@ def test_coordinator_pod_runs_on_regular_capacity_and_its_service_selects_only_i
     assert all(pod["metadata"]["labels"][k] == v
                for k, v in pdb["spec"]["selector"]["matchLabels"].items())
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
-    assert pod["spec"]["serviceAccountName"] == "sa"
+    assert c["resources"]["limits"]["memory"] == "2Gi"  # bounded, unless spec.coordinator says
+    # Its own account, whatever the template says (that one is the workers').
+    assert pod["spec"]["serviceAccountName"] == "j-coordinator"
+    assert pod["spec"]["automountServiceAccountToken"] is True
     assert pod["metadata"]["labels"]["team"] == "moe"
     selected = svc["spec"]["selector"]
     assert all(pod["metadata"]["labels"][k] == v for k, v in selected.items())
-    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1, job_uid="uid-1")
+    worker = builders.build_worker_pod("j", "ns", SPEC, 0, generation=1, key_secret=KEY_SECRET,
+                                       job_uid="uid-1")
     assert not all(worker["metadata"]["labels"].get(k) == v for k, v in selected.items())
     assert svc["spec"]["ports"][0]["port"] == 1234
     finite = builders.build_coordinator_pod("j", "ns", parse_spec(
         {"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
-         "slotsPerGpu": 4, "steps": 300}), job_uid="uid-1")
-    assert penv.read_coordinator_env({e["name"]: e["value"] for e in finite["spec"][
-        "containers"][0]["env"]}).steps == 300
+         "slotsPerGpu": 4, "steps": 300}), KEY_SECRET, job_uid="uid-1")
+    assert penv.read_coordinator_env(_environment(finite["spec"]["containers"][0])).steps == 300
     assert "envFrom" not in finite["spec"]["containers"][0]  # no checkpoints, no Secret
+
+
+def test_workers_mount_no_token_unless_the_job_gives_them_an_account():
+    spec = parse_spec({"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
+                       "slotsPerGpu": 4})
+    pod = builders.build_worker_pod("j", "ns", spec, 0, generation=1, key_secret=KEY_SECRET, job_uid="u")
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod["spec"]
+
+
+def test_the_key_secret_is_the_one_the_pods_read():
+    secret = builders.build_key_secret("j", "ns", KEY)
+    # The API server picks the name: nothing made before the job can pass for it.
+    assert "name" not in secret["metadata"] and secret["metadata"]["generateName"] == "j-key-"
+    assert secret["stringData"] == {builders.KEY_SECRET_ENTRY: KEY}
+    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET, job_uid="u"),
+                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, job_uid="u")):
+        refs = [e["valueFrom"]["secretKeyRef"] for e in pod["spec"]["containers"][0]["env"]
+                if "secretKeyRef" in e.get("valueFrom", {})]
+        assert refs == [{"name": KEY_SECRET, "key": builders.KEY_SECRET_ENTRY}]
+
+
+def test_the_coordinators_role_reaches_only_its_own_jobs_plan_and_state():
+    account, role, binding = builders.build_coordinator_access("j", "ns")
+    pod = builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, job_uid="u")
+    assert account["kind"] == "ServiceAccount"
+    assert account["metadata"]["name"] == pod["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "j-coordinator",
+                                    "namespace": "ns"}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    configmaps = [r for r in role["rules"] if "configmaps" in r["resources"]]
+    assert configmaps == [{"apiGroups": [""], "resources": ["configmaps"],
+                           "verbs": ["get", "list", "watch"], "resourceNames": ["j-plan"]},
+                          {"apiGroups": [""], "resources": ["configmaps"],
+                           "verbs": ["get", "patch"], "resourceNames": ["j-state"]}]
+    assert configmaps == role["rules"]  # no pod rights, nothing else
+    for rule in role["rules"]:
+        assert "secrets" not in rule["resources"] and "*" not in rule["verbs"]
+        assert not {"create", "delete", "update"} & set(rule["verbs"])
+
+
+def test_the_network_policy_admits_only_the_jobs_own_pods():
+    policy = builders.build_network_policy("j", "ns")
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    for pod in (builders.build_worker_pod("j", "ns", SPEC, 0, 1, key_secret=KEY_SECRET, job_uid="u"),
+                builders.build_coordinator_pod("j", "ns", SPEC, KEY_SECRET, job_uid="u")):
+        assert selected.items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selected}}]}]
+    other = builders.build_worker_pod("k", "ns", SPEC, 0, 1, key_secret="k-key", job_uid="u")
+    assert not selected.items() <= other["metadata"]["labels"].items()
 
 
 def test_a_process_started_without_its_environment_is_told_what_is_missing():
     with pytest.raises(penv.EnvError, match=penv.NODE_NAME):
         penv.read_worker_env({penv.COORDINATOR: "h:1", penv.RUNTIME: "{}"})
     with pytest.raises(penv.EnvError, match="malformed"):
-        penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n",
+        penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n", penv.JOB_KEY: KEY,
                                    penv.PLAN_CONFIGMAP: "p", penv.STATE_CONFIGMAP: "s",
                                    penv.COORDINATOR_PORT: "x"})
+    with pytest.raises(penv.EnvError, match=penv.JOB_KEY):
+        penv.read_coordinator_env({penv.JOB: "j", penv.NAMESPACE: "n", penv.JOB_KEY: "short",
+                                   penv.PLAN_CONFIGMAP: "p", penv.STATE_CONFIGMAP: "s",
+                                   penv.COORDINATOR_PORT: "1"})
 
 
 def test_plan_configmap_round_trips_the_plan_and_the_draining_nodes():
@@ -146,8 +234,13 @@ def _node(name, ready=True, taints=(), labels=None):
             "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=()):
-    meta = {"name": name, "labels": {builders.INDEX_LABEL: str(index)}, "annotations": {}}
+JOB_UID = "5e2a-job-uid"
+
+
+def _pod(name, node=None, phase="Running", index=0, deleting=False, conditions=(),
+         owner=JOB_UID):
+    meta = {"name": name, "labels": {builders.INDEX_LABEL: str(index)}, "annotations": {},
+            "ownerReferences": [{"kind": "LazarusJob", "name": "j", "uid": owner}]}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {"metadata": meta, "spec": {"nodeName": node} if node else {},
@@ -174,7 +267,7 @@ def test_observation_sorts_pods_into_live_starting_noticed_and_doomed():
         _pod("j-worker-7", "d", index=7,
              conditions=[{"type": "DisruptionTarget", "status": "True"}]),
     ]
-    obs = observe_workers(pods, nodes, SPEC)
+    obs = observe_workers(pods, nodes, SPEC, JOB_UID)
     assert [n.name for n in obs.live] == ["a", "b", "d"]
     assert obs.live[0] == NodeSpec("a", 2, 2, "z1", "spot")
     assert obs.noticed == {"b", "d"}
@@ -188,7 +281,7 @@ def test_ranks_the_coordinator_found_lost_drop_their_gpus_but_their_pods_are_kep
     pods = [_pod(f"j-worker-{i}", n, index=i) for i, n in enumerate("abc")]
     # Both ranks of b (the node is lost), one of c (its GPU 0 is), and a name no coordinator
     # writes (ignored rather than fatal).
-    obs = observe_workers(pods, nodes, SPEC, suspects={"b/0", "b/1", "c/0", "junk"})
+    obs = observe_workers(pods, nodes, SPEC, JOB_UID, suspects={"b/0", "b/1", "c/0", "junk"})
     assert [n.name for n in obs.live] == ["a", "c"]
     assert obs.live[0].devices == (0, 1) and obs.live[1].devices == (1,)
     assert obs.live[1].gpus == 1
@@ -199,18 +292,35 @@ def test_the_coordinator_is_replaced_when_its_process_pod_or_node_dies():
     nodes = {"a": NodeInfo.from_manifest(_node("a")),
              "sick": NodeInfo.from_manifest(_node("sick", ready=False)), "gone": None}
     running = [_pod("j-coordinator-0", "a", index=0)]
-    assert observe_coordinator(running, nodes).alive
-    assert observe_coordinator([_pod("j-coordinator-0", None, "Pending")], nodes).alive
-    done = observe_coordinator([_pod("j-coordinator-0", "a", "Succeeded")], nodes)
+    assert observe_coordinator(running, nodes, JOB_UID).alive
+    assert observe_coordinator([_pod("j-coordinator-0", None, "Pending")], nodes, JOB_UID).alive
+    done = observe_coordinator([_pod("j-coordinator-0", "a", "Succeeded")], nodes, JOB_UID)
     assert done.finished and not done.alive and done.doomed == []  # the job trained its steps
     for dead, force in ((_pod("j-coordinator-0", "a", "Failed"), False),
                         (_pod("j-coordinator-0", "sick"), True),
                         (_pod("j-coordinator-0", "gone"), True)):
-        obs = observe_coordinator([dead], nodes)
+        obs = observe_coordinator([dead], nodes, JOB_UID)
         assert not obs.alive and obs.doomed == [("j-coordinator-0", force)]
         assert obs.next_index == 1  # a new name: no waiting for the old one to be freed
-    deleting = observe_coordinator([_pod("j-coordinator-4", "a", index=4, deleting=True)], nodes)
+    deleting = observe_coordinator([_pod("j-coordinator-4", "a", index=4, deleting=True)], nodes,
+                                   JOB_UID)
     assert not deleting.alive and deleting.doomed == [] and deleting.next_index == 5
+
+
+def test_a_pod_with_the_jobs_labels_that_the_job_does_not_own_counts_for_nothing():
+    """Labels can be copied by anyone who may create a pod; ownership cannot."""
+    nodes = {n: NodeInfo.from_manifest(_node(n)) for n in ("a", "b")}
+    forged = _pod("j-worker-9", "b", index=9, owner="someone-else")
+    obs = observe_workers([_pod("j-worker-0", "a"), forged], nodes, SPEC, JOB_UID)
+    assert [n.name for n in obs.live] == ["a"]
+    assert obs.doomed == [] and obs.starting == []  # and it is not the job's to delete
+    assert obs.used_indices == {0, 9}  # its name is never reused, though
+    # A fake coordinator can pass neither for a live one nor for one that finished the job.
+    for phase in ("Running", "Succeeded"):
+        fake = observe_coordinator([_pod("j-coordinator-0", "a", phase, owner="someone-else")],
+                                   nodes, JOB_UID)
+        assert not fake.alive and not fake.finished and fake.doomed == []
+        assert fake.next_index == 1  # the real one gets a name of its own
 
 
 def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
@@ -222,3 +332,20 @@ def test_the_operators_own_annotation_does_not_change_a_pods_fingerprint():
     assert pod_fingerprint(pod) == before
     pod["status"]["phase"] = "Failed"
     assert pod_fingerprint(pod) != before
+
+
+def test_a_pod_that_names_no_job_as_its_owner_asks_for_no_pass():
+    """Rewriting a labelled pod of one's own over and over must not keep the operator busy."""
+    from kubernetes import client
+    from lazarus_core.cluster_contract import JOB_LABEL
+    from lazarus_operator.reconciler import Reconciler
+
+    reconciler = Reconciler(client.ApiClient())
+    pod = _pod("j-worker-0", "a")
+    pod["metadata"]["labels"][JOB_LABEL] = "j"
+    assert reconciler.pod_changed(pod, deleted=False)
+    forged = _pod("j-worker-1", "a", owner="whatever")
+    forged["metadata"]["labels"][JOB_LABEL] = "j"
+    forged["metadata"]["ownerReferences"] = []
+    assert not reconciler.pod_changed(forged, deleted=False)
+    assert not reconciler.pod_changed(forged, deleted=True)

@@ -61,8 +61,12 @@ def test_a_worker_that_starts_fine_ends_the_backoff():
     assert ready(state)["status"] == "True"
 
 
+JOB_UID = "job-uid"
+
+
 def pod(name, phase, node="n0", **status):
-    return {"metadata": {"name": name, "uid": f"uid-{name}", "labels": {}},
+    return {"metadata": {"name": name, "uid": f"uid-{name}", "labels": {},
+                         "ownerReferences": [{"kind": "LazarusJob", "uid": JOB_UID}]},
             "spec": {"nodeName": node}, "status": {"phase": phase, **status}}
 
 
@@ -73,6 +77,6 @@ def test_failed_pods_are_reported_with_their_last_words_evictions_are_not():
             pod("b", "Failed", reason="Evicted"),
             pod("c", "Failed", node="n1", containerStatuses=[{"state": {"terminated": {
                 "exitCode": 137, "reason": "OOMKilled"}}}])]
-    obs = observe_workers(pods, {}, job().spec)
+    obs = observe_workers(pods, {}, job().spec, JOB_UID)
     assert obs.failed == [("uid-a", "n0", ERROR), ("uid-c", "n1", "exit code 137: OOMKilled")]
     assert sorted(name for name, _ in obs.doomed) == ["a", "b", "c"]

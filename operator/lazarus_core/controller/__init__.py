@@ -19,7 +19,7 @@ from .events import (Event, GpusBack, GpusLost, NodesJoined, NodesLost, Progress
 from .reasons import (GPU_LOST, INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN,
                       SPEC_CHANGED, SPOT_NOTICE, STALLED, SUCCEEDED)
 from .state import JobState, Settings, new_job
-from .status import conditions, lowest_replicas, status
+from .status import conditions, lowest_replicas, not_ready, status
 from .transitions import handle, handle_all, imbalance
 
 __all__ = [
@@ -29,6 +29,6 @@ __all__ = [
     "GPU_LOST", "INITIAL", "NODE_JOINED", "NODE_LOST", "REBALANCE", "SCALE_DOWN", "SPEC_CHANGED",
     "SPOT_NOTICE", "STALLED", "SUCCEEDED",
     "JobState", "Settings", "new_job",
-    "conditions", "lowest_replicas", "status",
+    "conditions", "lowest_replicas", "not_ready", "status",
     "handle", "handle_all", "imbalance",
 ]

@@ -80,6 +80,22 @@ def _percent(p: float) -> str:
     return f"{100 * p:.1f}%"
 
 
+def not_ready(previous: Sequence[dict], reason: str, message: str, now_iso: str,
+              observed_generation: int | None = None) -> list[dict]:
+    """The conditions with Ready=False for ``reason``, the others kept: a job that cannot
+    run as it is (an invalid spec, a name taken by an object that is not the job's)."""
+    kept = [c for c in previous if c.get("type") != "Ready"]
+    prev = next((c for c in previous if c.get("type") == "Ready"), None)
+    since = (prev["lastTransitionTime"] if prev and prev.get("status") == "False"
+             and prev.get("lastTransitionTime") else now_iso)
+    # The CRD bounds a message at 32768 characters; a spec with many violations is cut.
+    ready = {"type": "Ready", "status": "False", "reason": reason, "message": message[:4096],
+             "lastTransitionTime": since}
+    if observed_generation is not None:
+        ready["observedGeneration"] = observed_generation
+    return [ready, *kept]
+
+
 def conditions(state: JobState, previous: Sequence[dict], now_iso: str,
                observed_generation: int | None = None) -> list[dict]:
     plan = state.plan
