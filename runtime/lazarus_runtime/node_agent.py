@@ -19,7 +19,11 @@ supervises them:
   whole, as Kubernetes sees it, never half.
 
 It exits once every rank has: 0 when some rank finished normally (the job ended, or the
-plan released the node), otherwise the exit status of the first rank that failed.
+plan released the node), otherwise the exit status of the first rank that failed. The ranks'
+stderr passes through the agent line by line, and the agent's last line names the first
+failed rank's last words: a pod's termination message is its log's tail, and its last line
+is what the operator quotes when workers fail to start (a rank's own error would otherwise
+be buried under the agent's report of it).
 """
 from __future__ import annotations
 
@@ -45,14 +49,18 @@ WORKER_COMMAND = (sys.executable, "-m", "lazarus_runtime.worker")
 _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
-# (local rank, its exit status: negative for a signal, as subprocess reports it)
-RankExit = Callable[[int, int], None]
+# A rank's last words, as much of its last line of stderr as a condition message can take.
+LAST_WORDS_CHARS = 400
+
+# (local rank, its exit status: negative for a signal, as subprocess reports it, and its
+# last line of stderr)
+RankExit = Callable[[int, int, str], None]
 
 
 class NodeAgent:
     def __init__(self, ranks: Sequence[RankDevice], backend: str, environ: Mapping[str, str],
                  command: Sequence[str] = WORKER_COMMAND,
-                 on_rank_exit: RankExit = lambda local_rank, code: None):
+                 on_rank_exit: RankExit = lambda local_rank, code, last_words: None):
         self.ranks = list(ranks)
         self.backend = backend
         self.environ = dict(environ)
@@ -60,16 +68,35 @@ class NodeAgent:
         self.on_rank_exit = on_rank_exit
         self.procs: dict[int, subprocess.Popen] = {}
         self.exits: dict[int, int] = {}  # local rank -> exit status, in the order seen
+        self.last_words: dict[int, str] = {}  # local rank -> its last line of stderr
+        self._relays: dict[int, threading.Thread] = {}
+        self._stderr = sys.stderr.buffer
+        self._stderr_lock = threading.Lock()
 
     def start(self) -> "NodeAgent":
         for r in self.ranks:
             env = self.environ | penv.rank_env(r.local_rank, r.gpu, self.backend)
-            self.procs[r.local_rank] = subprocess.Popen(
-                self.command, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            self.procs[r.local_rank] = proc
+            self._relays[r.local_rank] = threading.Thread(
+                target=self._relay, args=(r.local_rank, proc.stderr),
+                name=f"rank-{r.local_rank}-stderr", daemon=True)
+            self._relays[r.local_rank].start()
             log.info("rank %d started on %s (pid %d, %s)", r.local_rank,
                      f"GPU {r.gpu}" if r.gpu is not None else "the CPU",
                      self.procs[r.local_rank].pid, self.backend)
         return self
+
+    def _relay(self, local_rank: int, pipe) -> None:
+        """Pass a rank's stderr on, whole lines at a time, keeping its last words."""
+        for line in iter(pipe.readline, b""):
+            with self._stderr_lock:
+                self._stderr.write(line)
+                self._stderr.flush()
+            if line.strip():
+                self.last_words[local_rank] = (
+                    line.decode(errors="replace").strip()[:LAST_WORDS_CHARS])
 
     def forward(self, signum: int) -> None:
         """Pass ``signum`` on to every rank still running."""
@@ -82,8 +109,10 @@ class NodeAgent:
         for local_rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None and local_rank not in self.exits:
+                # Its pipe closes as it exits; a child it left behind may hold it open.
+                self._relays[local_rank].join(timeout=1.0)
                 self.exits[local_rank] = code
-                self.on_rank_exit(local_rank, code)
+                self.on_rank_exit(local_rank, code, self.last_words.get(local_rank, ""))
         return len(self.exits) < len(self.procs)
 
     def run(self, poll_s: float = _POLL_S) -> int:
@@ -98,6 +127,12 @@ class NodeAgent:
             return 0
         first = codes[0]
         return 128 - first if first < 0 else first  # a signal, as a shell reports it
+
+    def first_failure(self) -> str:
+        """The first failed rank and its last words, for the agent's own last line."""
+        local_rank, code = next((r, c) for r, c in self.exits.items() if c != 0)
+        words = self.last_words.get(local_rank)
+        return f"rank {local_rank} exited with status {code}" + (f": {words}" if words else "")
 
 
 class ExitReporter:
@@ -162,13 +197,14 @@ def _die_with_parent() -> None:
 
 
 def _report(node: str, gpus: Mapping[int, str | None], reporter: ExitReporter) -> RankExit:
-    def report(local_rank: int, code: int) -> None:
+    def report(local_rank: int, code: int, last_words: str) -> None:
         where = f"GPU {gpus[local_rank]}" if gpus[local_rank] is not None else "the CPU"
         if code == 0:
             log.info("%s: rank %d (%s) finished", node, local_rank, where)
         else:
-            log.warning("%s: rank %d (%s) exited with status %d; the node's other ranks go "
-                        "on, and the plan drops this one", node, local_rank, where, code)
+            log.warning("%s: rank %d (%s) exited with status %d (%s); the node's other ranks "
+                        "go on, and the plan drops this one", node, local_rank, where, code,
+                        last_words or "it said nothing")
         reporter.report(local_rank, code)
     return report
 
@@ -200,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reporter.start()
     status = agent.run()
     reporter.flush(timeout_s=5.0)
+    if status != 0:
+        print(f"lazarus node agent: error: {agent.first_failure()}", file=sys.stderr)
     return status
 
 

@@ -22,7 +22,8 @@ from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
-# A rank that tells what it was given, then sleeps (or exits at once with "exit").
+# A rank that tells what it was given, then sleeps (or exits at once with "exit", or fails
+# with an error on stderr with "fail").
 RANK = """
 import json, os, sys, time
 out = os.path.join(sys.argv[1], f"rank-{os.environ['LAZARUS_LOCAL_RANK']}.json")
@@ -31,7 +32,10 @@ names = ("LAZARUS_LOCAL_RANK", "LAZARUS_DEVICE", "LAZARUS_BACKEND", "CUDA_VISIBL
 with open(out + ".tmp", "w") as f:
     json.dump({"pid": os.getpid(), **{n: os.environ.get(n) for n in names}}, f)
 os.replace(out + ".tmp", out)
-if sys.argv[2] != "exit":
+if sys.argv[2] == "fail":
+    print("lazarus worker: error: spec.runtime.data: no such file /corpus", file=sys.stderr)
+    sys.exit(1)
+if sys.argv[2] == "sleep":
     time.sleep(60)
 """
 
@@ -119,6 +123,18 @@ def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_pat
     assert "rank 1 (the CPU) exited with status -9" in log, log
     assert code == 128 + signal.SIGKILL  # no rank finished normally; the first failure
     assert not alive(pids[0]) and not alive(pids[2])
+
+
+@pytest.mark.timeout(120)
+def test_the_agents_last_line_carries_the_failed_ranks_last_words(tmp_path, coordinator):
+    """A pod's termination message is its log's tail; the operator quotes its last line
+    when workers fail to start, so that line must be the rank's error, not the agent's."""
+    agent = start_agent(tmp_path, coordinator, 2, "fail", CUDA_VISIBLE_DEVICES="")
+    assert agent.wait(timeout=60) == 1
+    lines = agent.stderr.read().strip().splitlines()
+    assert lines[-1].startswith("lazarus node agent: error: rank "), lines
+    assert "no such file /corpus" in lines[-1], lines
+    assert sum(line.startswith("lazarus worker: error:") for line in lines) == 2  # relayed
 
 
 @pytest.mark.timeout(120)
