@@ -168,7 +168,11 @@ def test_a_worker_that_cannot_start_backs_off_and_the_job_says_why(cluster, stac
     assert (started[4] - started[0]).total_seconds() >= 18, gaps
     workers = cluster.core.list_namespaced_pod(
         stack.namespace, label_selector=f"lazarus.dev/job={stack.name},lazarus.dev/role=worker")
-    assert len(workers.items) <= 2 and stack.last_step() == 0  # no pile of crash-looping pods
+    # No pile of crash-looping pods: a failed one may still be on its way out (its deletion
+    # is asynchronous) while its replacement waits, but no more than the job's two live.
+    live = [p.metadata.name for p in workers.items
+            if p.metadata.deletion_timestamp is None and p.status.phase != "Failed"]
+    assert len(live) <= 2 and stack.last_step() == 0, live
     record("worker cannot start (runtime.dataset missing)", {
         "failed_starts": len(started), "gaps_s": [round(g, 1) for g in gaps],
         "ready_message": ready["message"]})
@@ -255,6 +259,9 @@ def test_two_jobs_with_one_checkpoint_path_each_restore_their_own(cluster, stack
         s.wait_step(s.last_step() + 1, after_generation=generations[key])
         m = s.measure(f"two jobs, one checkpoint path: job {key} restores its own",
                       fault_at[key], generations[key])
+        # A checkpoint whose last shard was written as the zone went down completes after
+        # the look above: its own too, under its own UID.
+        own[key] |= {ck.step for ck in stores[key].complete()}
         assert m["restored_step"] in own[key], (m, own)
         upto = m["resumed_at_step"] + 5
         s.wait_step(upto)
