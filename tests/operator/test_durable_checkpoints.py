@@ -85,12 +85,13 @@ def test_refused_checkpoint_writes_never_stop_training_and_the_condition_heals(
 
 
 def lose_the_zone_and_measure(cluster, stack: Stack, scratch_nodes, zone: str,
-                              scenario: str) -> dict:
+                              scenario: str, while_down=lambda: None) -> dict:
     """Every worker's zone lost at once (no replica of anything survives), capacity back
-    in a new zone: the workers there restore a checkpoint."""
+    in a new zone: the workers there restore a checkpoint. ``while_down`` runs in between."""
     generation = stack.generation()
     zone_at = time.time()
     faults.zone_down(cluster.core, zone, delete=True)
+    while_down()
     scratch_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
     stack.wait_step(stack.last_step() + 1, after_generation=generation)
     m = stack.measure(scenario, zone_at, generation)
@@ -105,14 +106,24 @@ def test_a_corrupt_newest_checkpoint_gives_way_to_the_previous_one_after_a_zone_
     store = Checkpoints.open(str(stack.tmp / "ckpt"), uid(stack))
     wait_until(lambda: len(store.complete()) >= 2, timeout=STEP_TIMEOUT_S,
                what="two complete checkpoints", describe=stack.describe)
-    newest, previous = store.complete()[:2]
-    shard = f"step-{newest.step:08d}/{newest.shards[0]['file']}"
-    data = bytearray(store.storage.get(shard))
-    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
-    store.storage.put(shard, bytes(data))
 
+    def corrupt_the_newest():
+        """Once the workers are gone, so that no newer checkpoint can follow (training
+        runs a checkpoint a second here); the coordinator may still be completing the
+        last one, hence the pause."""
+        time.sleep(1.0)
+        newest, previous = store.complete()[:2]
+        shard = f"step-{newest.step:08d}/{newest.shards[0]['file']}"
+        data = bytearray(store.storage.get(shard))
+        data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+        store.storage.put(shard, bytes(data))
+        picked.update(newest=newest, previous=previous)
+
+    picked = {}
     m = lose_the_zone_and_measure(cluster, stack, scratch_nodes, zone,
-                                  "zone lost with the newest checkpoint corrupt")
+                                  "zone lost with the newest checkpoint corrupt",
+                                  while_down=corrupt_the_newest)
+    newest, previous = picked["newest"], picked["previous"]
     assert m["restored_step"] == previous.step, (m, newest.step, previous.step)
     skipped = [e["message"] for e in stack.events("info") if "checkpoint skipped" in e["message"]]
     assert any(f"step-{newest.step:08d}" in s and "checksum mismatch" in s for s in skipped)
