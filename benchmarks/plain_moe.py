@@ -20,18 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lazarus_core.runtime_config import ModelConfig
-
-
-def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward here."""
-    try:
-        x = torch.randn(24, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(3, 16, 8, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 8, 24], device=device, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs).float().square().sum().backward()
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-    return True
+from lazarus_runtime.experts import grouped_mm_supported
 
 
 class PlainMoE(nn.Module):
@@ -117,7 +106,9 @@ class PlainTrainer:
     def __init__(self, cfg: ModelConfig, device: torch.device, precision: str, lr: float,
                  compiled: bool):
         self.model = PlainMoEGPT(cfg).to(device)
-        grouped = grouped_mm_works(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+        # The runtime's own probe: the same kernel, shape rules and device support apply.
+        grouped = grouped_mm_supported(device, torch.bfloat16 if precision == "bf16"
+                                       else torch.float32, cfg.dim, cfg.ffn_dim)
         for block in self.model.blocks:
             block.moe.grouped = grouped
         self.device = device
