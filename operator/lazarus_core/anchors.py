@@ -57,7 +57,13 @@ def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]
     cores being the minimal node sets over all the given layers (those of at most
     ``largest`` nodes: an expert whose node set contains none has no core)."""
     num_experts = len(replicas[0])
-    presence = [replica_counts(p, num_experts).T > 0 for p in placements]  # [expert, node]
+    return anchors_of_presence([replica_counts(p, num_experts).T > 0 for p in placements],
+                               replicas, largest)
+
+
+def anchors_of_presence(presence: Sequence[np.ndarray], replicas: Sequence[Sequence[int]],
+                        largest: int | None = None) -> list[LayerAnchors]:
+    """``anchors_of`` from each layer's [expert, node] presence (``Plan`` keeps its counts)."""
     every = np.concatenate(presence)
     if largest is not None:
         every = every[every.sum(axis=1) <= largest]
@@ -147,28 +153,54 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
     room = list(slots)
     full = 0
     cores = [0] * len(replicas)
-    nodes = {}
+    nodes: dict[int, list[int]] = {}
     users = Counter()
     load = [0.0] * n
+
+    def members(core: int) -> list[int]:
+        if core not in nodes:
+            nodes[core] = nodes_of(core)
+        return nodes[core]
 
     def take(e: int, core: int) -> None:
         nonlocal full
         cores[e] = core
         users[core] += 1
-        if core not in nodes:
-            nodes[core] = nodes_of(core)
-        for i in nodes[core]:
-            load[i] += weights[e]
+        weight = weights[e]
+        for i in members(core):
+            load[i] += weight
             room[i] -= 1
             if not room[i]:
                 full |= 1 << i
 
     order = _ranked(replicas, weights)
     if previous is not None:
-        for e in order:
-            core = previous[e]
-            if core and core.bit_count() <= min(replicas[e], n, largest) and not core & full:
-                take(e, core)
+        kept = [e for e in order
+                if previous[e] and previous[e].bit_count() <= min(replicas[e], n, largest)]
+        # Every previous core that fits is kept unless some node runs out of room first;
+        # when no node is asked for more than it has, none does, and they are taken at once
+        # (most re-plans: far fewer distinct cores than experts).
+        by_core = Counter(previous[e] for e in kept)
+        demand = [0] * n
+        for core, count in by_core.items():
+            for i in members(core):
+                demand[i] += count
+        if all(d <= r for d, r in zip(demand, room)):
+            carried = [0.0] * len(by_core)
+            index = {core: j for j, core in enumerate(by_core)}
+            for e in kept:
+                cores[e] = previous[e]
+                carried[index[previous[e]]] += weights[e]
+            for core, j in index.items():
+                for i in members(core):
+                    load[i] += carried[j]
+            users.update(by_core)
+            room = [r - d for r, d in zip(room, demand)]
+            full = sum(1 << i for i in range(n) if not room[i])
+        else:
+            for e in kept:
+                if not previous[e] & full:
+                    take(e, previous[e])
     for e in order:
         size = min(replicas[e], n, largest)
         if size == 0 or cores[e]:

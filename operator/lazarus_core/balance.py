@@ -74,11 +74,17 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
                                         np.int64).reshape(num_layers, -1)
 
     # 2. Pinned replicas onto their node's ranks, heaviest first, in snake order.
-    by_node = np.lexsort((experts, -w[layer_of, experts], nodes, layer_of))
-    layer_of, nodes, experts = layer_of[by_node], nodes[by_node], experts[by_node]
-    anchor = is_anchor[by_node]
+    # One integer key per replica (layer, node, heaviest first, expert id): a single stable
+    # sort, several times faster than sorting by four keys.
+    heaviest = np.empty_like(r)
+    heaviest[np.arange(num_layers)[:, None], np.lexsort((np.broadcast_to(
+        np.arange(num_experts), r.shape), -w))] = np.arange(num_experts)
     group = layer_of * n + nodes
-    k = np.arange(len(group)) - np.searchsorted(group, group)
+    by_node = np.argsort(group * num_experts + heaviest[layer_of, experts], kind="stable")
+    layer_of, nodes, experts, group = (layer_of[by_node], nodes[by_node], experts[by_node],
+                                       group[by_node])
+    anchor = is_anchor[by_node]
+    k = _nth_in_run(group)
     gi = g[nodes]
     turn, pos = k // gi, k % gi
     rank_base = np.concatenate(([0], np.cumsum(g)[:-1]))
@@ -104,7 +110,7 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         open_ranks = open_ranks[np.lexsort((load[open_ranks] / rank_slots[open_ranks],
                                             open_layer))]
         open_layer = open_ranks // num_ranks
-        nth = np.arange(len(open_ranks)) - np.searchsorted(open_layer, open_layer)
+        nth = _nth_in_run(open_layer)
         take = nth < left[open_layer]
         to, at_layer, nth = open_ranks[take], open_layer[take], nth[take]
         item = rest_start[at_layer] + (free.sum(axis=1) - left)[at_layer] + nth
@@ -210,29 +216,35 @@ def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndar
     what a node holds is looked at, not every (node, expert) pair."""
     num_layers, num_experts = replicas.shape
     n = len(capacity)
-    held = [np.nonzero(ref) for ref in references]
-    kl = np.concatenate([np.full(len(hn), li) for li, (hn, _) in enumerate(held)])
-    kn = np.concatenate([hn for hn, _ in held])
-    ke = np.concatenate([he for _, he in held])
-    count = np.concatenate([ref[hn, he] for ref, (hn, he) in zip(references, held)])
+    stacked = np.stack(references)
+    kl, kn, ke = np.nonzero(stacked)  # in (layer, node, expert) order
+    count = stacked[kl, kn, ke]
     # Take out the anchor (at most one per layer, node, expert).
-    anchored = np.sort((layer_of * n + nodes) * num_experts + experts)
     key = (kl * n + kn) * num_experts + ke
-    at = np.minimum(np.searchsorted(anchored, key), max(len(anchored) - 1, 0))
-    spare = count - (anchored[at] == key if len(anchored) else 0)
+    anchored = np.zeros(num_layers * n * num_experts, dtype=np.int64)
+    anchored[(layer_of * n + nodes) * num_experts + experts] = 1
+    spare = count - anchored[key]
     # Per expert: keep in node order while the count left after the anchors allows.
     free = (replicas.ravel() - np.bincount(layer_of * num_experts + experts,
                                            minlength=num_layers * num_experts))
-    order = np.lexsort((kn, ke, kl))
+    pair = kl * num_experts + ke
+    order = np.argsort(pair * n + kn, kind="stable")
     kept = np.zeros(len(spare), dtype=np.int64)
-    kept[order] = _take_in_turn(spare[order], (kl * num_experts + ke)[order],
-                                free[(kl * num_experts + ke)[order]])
+    kept[order] = _take_in_turn(spare[order], pair[order], free[pair[order]])
     # Per node (nonzero gives them in layer, node, expert order): what its slots allow.
     room = (np.tile(capacity, num_layers) - np.bincount(layer_of * n + nodes,
                                                         minlength=num_layers * n))
     kept = _take_in_turn(kept, kl * n + kn, room[kl * n + kn])
     keep = kept > 0
     return kl[keep], kn[keep], ke[keep], kept[keep]
+
+
+def _nth_in_run(keys: np.ndarray) -> np.ndarray:
+    """Each element's place within its run of equal ``keys`` (sorted or grouped)."""
+    index = np.arange(len(keys))
+    first = np.ones(len(keys), dtype=bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return index - np.maximum.accumulate(np.where(first, index, 0))
 
 
 def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> np.ndarray:

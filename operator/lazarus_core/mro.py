@@ -83,75 +83,126 @@ def _fill_layer(anchors: LayerAnchors, slots, load, ranks_per_node, reference) -
 def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
               loads: Sequence[Sequence[float]] | None,
               ranks_per_node: Sequence[int] | None = None,
-              previous: Sequence[Sequence[int]] | None = None,
-              holders: Sequence[Sequence[int]] | None = None,
               balance_first: bool = True) -> list[LayerAnchors]:
-    """Every layer's replica counts and anchors.
+    """Every layer's replica counts and anchors, for a fresh plan.
 
     With ``loads``, the allocation formula's counts are tried as given and evened out
-    (``allocation.even_out``), and the most fragile layer decides which. Fresh anchors are
-    that layer's best anchors, aligned over all layers. With ``previous`` (each
-    (layer, expert)'s core in the plan before, as a mask of these node positions, 0 where
-    it did not survive), repaired anchors that keep experts on their cores are tried too,
-    with new cores on the nodes that hold an expert already (``holders``, masks like
-    ``previous``), as they are and dealt anew within their cores. Each choice goes by
-    fatal failure sets (within ``RECOVERY_TOLERANCE``), then ranks within
-    ``balance.BALANCE_TARGET`` on the most fragile layer, then moving less, then balance.
-    With ``balance_first``, fresh anchors that give up fatal sets beyond one failed node for
-    ranks within ``BALANCE_TARGET`` are options too, and come first (``_balanced_first``).
+    (``allocation.even_out``), and the most fragile layer decides which: its best anchors,
+    aligned over all layers. The choice goes by fatal failure sets (within
+    ``RECOVERY_TOLERANCE``), then ranks within ``balance.BALANCE_TARGET`` on the most
+    fragile layer, then balance. With ``balance_first``, anchors that give up fatal sets
+    beyond one failed node for ranks within ``BALANCE_TARGET`` are options too, and come
+    first (``_balanced_first``).
     """
-    variants = [[list(r) for r in layers]]
-    if loads is None:
-        loads = [[1.0] * len(r) for r in layers]
-    else:
-        traded = [even_out(r, t, len(slots)) for r, t in zip(layers, loads)]
-        if traded != variants[0]:
-            variants.append(traded)
-    n, k = len(slots), scored_failures(len(slots))
-    largest = largest_core(n)
+    shape = _Shape(layers, slots, loads, ranks_per_node)
+    index, weights, probe, template = shape.template(balance_first)
+    return align(shape.variants[index], template, slots, weights, weights[probe],
+                 shape.largest)
 
-    def balance_of(anchors: LayerAnchors, probe: int, weights) -> float:
-        placement = _fill_layer(anchors, slots, loads[probe], ranks_per_node, None)
-        return _worst_rank(placement, weights[probe], slots, ranks_per_node)
 
-    # (fatal counts, moves, balance or a function that measures it, what to return)
-    counts = []
-    for replicas in variants:
-        weights = per_replica(replicas, loads).tolist()
-        probe = min(range(len(replicas)), key=lambda li: (sorted(replicas[li]), li))
-        template = balance_within(best_anchors(replicas[probe], slots, weights[probe]),
-                                  weights[probe], n)
-        counts.append((cores_key(template, n, k), 0, balance_of(template, probe, weights),
-                       (replicas, weights, probe, template)))
-        if balance_first and counts[-1][2] > BALANCE_TARGET:
-            floor = paper_key(variants[0], slots, k)
-            for anchors in shared_less(template, slots, weights[probe], largest):
-                key = cores_key(anchors, n, k)
-                if all(a <= b for a, b in zip(key, floor)):
-                    counts.append((key, 0, balance_of(anchors, probe, weights),
-                                   (replicas, weights, probe, anchors)))
-    replicas, weights, probe, template = _choose(_balanced_first(counts, n), n)
-    if previous is None:
-        return align(replicas, template, slots, weights, weights[probe], largest)
-    repaired = repair(replicas, weights, previous, holders, slots, largest)
-    key = model_key(repaired, n, k)
+def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
+                loads: Sequence[Sequence[float]] | None,
+                ranks_per_node: Sequence[int] | None,
+                previous: Sequence[Sequence[int]],
+                holders: Sequence[Sequence[int]]) -> tuple[list[LayerAnchors], bool]:
+    """Every layer's replica counts and anchors for a re-plan, and whether they are fresh
+    (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
+    repaired on the nodes themselves.
+
+    ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
+    positions (0 where it did not survive); ``holders`` the nodes that hold each
+    (layer, expert) now, masks alike. Repaired anchors keep experts on their cores, with
+    new cores on nodes that hold the expert already, as they are and dealt anew within
+    their cores; a fresh structure is ``structure``'s. A re-plan compares recovery at
+    ``REPLAN_FAILURES`` only (the next loss brings the next re-plan, and a fresher structure
+    that survives a few more sets of many simultaneous failures is not worth moving a
+    quarter of the replicas), then ranks within ``BALANCE_TARGET``, then moving less, then
+    balance.
+    """
+    shape = _Shape(layers, slots, loads, ranks_per_node)
+    n = len(slots)
+    repaired, qualifying = [], []
+    for index, replicas in enumerate(shape.variants):
+        weights, probe = shape.weighed(replicas)
+        repaired.append(repair(replicas, weights, previous, holders, slots, shape.largest))
+        if not any(model_key(repaired[-1], n, REPLAN_FAILURES)):
+            balance = shape.balance_of(repaired[-1][probe], probe, weights)
+            if balance <= BALANCE_TARGET:
+                qualifying.append((balance, index))
+    # Repaired anchors with no fatal set at REPLAN_FAILURES and ranks within BALANCE_TARGET
+    # cannot be beaten (fatal counts are never negative) and move least: the fresh
+    # structures, most of a plan's time, are built only when no repair qualifies.
+    if qualifying:
+        return repaired[min(qualifying)[1]], False
+    index, weights, probe, template = shape.template(balance_first=True)
+    replicas, kept = shape.variants[index], repaired[index]
 
     def dealt() -> list[LayerAnchors]:
-        return [balance_within(a, w, n) for a, w in zip(repaired, weights)]
+        return [balance_within(a, w, n) for a, w in zip(kept, weights)]
 
     def fresh() -> list[LayerAnchors]:
-        return align(replicas, template, slots, weights, weights[probe], largest)
+        return align(replicas, template, slots, weights, weights[probe], shape.largest)
 
     # Aligning adds cores to the template's, so the template's counts stand for fresh
-    # anchors' until they are needed. A re-plan weighs recovery only at REPLAN_FAILURES:
-    # the next re-plan comes with the next loss, and a fresher structure that survives a few
-    # more sets of many simultaneous failures is not worth moving a quarter of the replicas.
-    return _choose([
-        (key, 0, lambda: balance_of(repaired[probe], probe, weights), lambda: repaired),
-        (key, 1, lambda: balance_of(balance_within(repaired[probe], weights[probe], n), probe,
-                                    weights), dealt),
-        (cores_key(template, n, k), 2, lambda: balance_of(template, probe, weights), fresh),
-    ], n, REPLAN_FAILURES)()
+    # anchors' until they are needed.
+    key = model_key(kept, n, REPLAN_FAILURES)
+    choice = _choose([
+        (key, 0, lambda: shape.balance_of(kept[probe], probe, weights), lambda: kept),
+        (key, 1, lambda: shape.balance_of(balance_within(kept[probe], weights[probe], n),
+                                          probe, weights), dealt),
+        (cores_key(template, n, shape.k), 2,
+         lambda: shape.balance_of(template, probe, weights), fresh),
+    ], n, REPLAN_FAILURES)
+    return choice(), choice is fresh
+
+
+class _Shape:
+    """What ``structure`` and ``restructure`` weigh: the replica-count variants, their
+    per-replica loads and most fragile layer, and the balance a layer's anchors give."""
+
+    def __init__(self, layers, slots, loads, ranks_per_node):
+        self.variants = [[list(r) for r in layers]]
+        if loads is None:
+            loads = [[1.0] * len(r) for r in layers]
+        else:
+            traded = [even_out(r, t, len(slots)) for r, t in zip(layers, loads)]
+            if traded != self.variants[0]:
+                self.variants.append(traded)
+        self.slots, self.loads, self.ranks_per_node = slots, loads, ranks_per_node
+        self.k = scored_failures(len(slots))
+        self.largest = largest_core(len(slots))
+
+    def weighed(self, replicas):
+        """Per-replica loads, and the most fragile layer (fewest replicas, coldest first)."""
+        weights = per_replica(replicas, self.loads).tolist()
+        probe = min(range(len(replicas)), key=lambda li: (sorted(replicas[li]), li))
+        return weights, probe
+
+    def balance_of(self, anchors: LayerAnchors, probe: int, weights) -> float:
+        placement = _fill_layer(anchors, self.slots, self.loads[probe], self.ranks_per_node,
+                                None)
+        return _worst_rank(placement, weights[probe], self.slots, self.ranks_per_node)
+
+    def template(self, balance_first: bool):
+        """The chosen variant's index, weights, most fragile layer and its anchors."""
+        n, k, slots = len(self.slots), self.k, self.slots
+        counts = []  # (fatal counts, moves, balance, what to return)
+        floor = None
+        for index, replicas in enumerate(self.variants):
+            weights, probe = self.weighed(replicas)
+            template = balance_within(best_anchors(replicas[probe], slots, weights[probe]),
+                                      weights[probe], n)
+            counts.append((cores_key(template, n, k), 0,
+                           self.balance_of(template, probe, weights),
+                           (index, weights, probe, template)))
+            if balance_first and counts[-1][2] > BALANCE_TARGET:
+                floor = floor or paper_key(self.variants[0], slots, k)
+                for anchors in shared_less(template, slots, weights[probe], self.largest):
+                    key = cores_key(anchors, n, k)
+                    if all(a <= b for a, b in zip(key, floor)):
+                        counts.append((key, 0, self.balance_of(anchors, probe, weights),
+                                       (index, weights, probe, anchors)))
+        return _choose(_balanced_first(counts, n), n)
 
 
 def shared_less(template: LayerAnchors, slots: Sequence[int], weights: Sequence[float],

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocation import allocate_replicas
-from .anchors import anchors_of, nodes_of
+from .anchors import anchors_of_presence, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
-from .mro import largest_core, mro, place_anchored, structure
+from .mro import largest_core, mro, place_anchored, restructure, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
 from .recovery import masks_of, recovery_table
@@ -132,8 +132,9 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
 def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
     """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
     ``ordered``, or 0 when a node of that core is gone."""
-    anchors = anchors_of([layer.placement for layer in old.layers],
-                         [layer.replicas for layer in old.layers], largest_core(len(ordered)))
+    anchors = anchors_of_presence([layer.counts.T > 0 for layer in old.layers],
+                                  [layer.replicas for layer in old.layers],
+                                  largest_core(len(ordered)))
     position = {n.name: q for q, n in enumerate(ordered)}
     translate = {0: 0}
     for core in {c for a in anchors for c in a.cores} - {0}:
@@ -179,9 +180,11 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
         references = _references(old, ordered, sources)
         holders = [masks_of(ref.T > 0) for ref in references]
-        anchors = structure(replicas, slots, loads, gpus, surviving_cores(old, ordered), holders)
-        ordered = map_anchors(anchors, ordered, references)
-        references = _references(old, ordered, sources)
+        anchors, fresh = restructure(replicas, slots, loads, gpus, surviving_cores(old, ordered),
+                                     holders)
+        if fresh:  # built on positions: the nodes that hold its anchors play them
+            ordered = map_anchors(anchors, ordered, references)
+            references = _references(old, ordered, sources)
         replicas = [list(a.replicas) for a in anchors]
         weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
         placements = place_anchored(anchors, slots, weights, gpus, references)
