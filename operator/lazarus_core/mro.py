@@ -187,7 +187,6 @@ class _Shape:
         """The chosen variant's index, weights, most fragile layer and its anchors."""
         n, k, slots = len(self.slots), self.k, self.slots
         counts = []  # (fatal counts, moves, balance, what to return)
-        floor = None
         for index, replicas in enumerate(self.variants):
             weights, probe = self.weighed(replicas)
             template = balance_within(best_anchors(replicas[probe], slots, weights[probe]),
@@ -195,8 +194,13 @@ class _Shape:
             counts.append((cores_key(template, n, k), 0,
                            self.balance_of(template, probe, weights),
                            (index, weights, probe, template)))
-            if balance_first and counts[-1][2] > BALANCE_TARGET:
-                floor = floor or paper_key(self.variants[0], slots, k)
+        # Recovery is traded for balance only when no variant's own structure balances:
+        # the shared-less structures give up fatal sets by construction, and building them
+        # with the paper's floor is most of a plan's time. (On the 108 settings of
+        # docs/placement.md this changed three plans, each within 1.05 either way.)
+        if balance_first and all(c[2] > BALANCE_TARGET for c in counts):
+            floor = paper_key(self.variants[0], slots, k)
+            for _, _, _, (index, weights, probe, template) in list(counts):
                 for anchors in shared_less(template, slots, weights[probe], self.largest):
                     key = cores_key(anchors, n, k)
                     if all(a <= b for a, b in zip(key, floor)):
