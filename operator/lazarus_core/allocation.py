@@ -11,8 +11,9 @@ floating-point shares would round a slot away.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
+
+import numpy as np
 
 
 class InfeasibleError(ValueError):
@@ -25,9 +26,19 @@ _FLOOR_SLACK = 1e-9
 
 def allocate_replicas(loads: Sequence[float], total_slots: int, min_replicas: int) -> list[int]:
     """Replica count per expert (expert-id order) for one layer."""
-    num_experts = len(loads)
-    if num_experts == 0:
+    return allocate_many([loads], total_slots, min_replicas)[0]
+
+
+def allocate_many(loads: Sequence[Sequence[float]], total_slots: int,
+                  min_replicas: int) -> list[list[int]]:
+    """``allocate_replicas`` for every layer at once: the formula walks the experts in
+    order, so the layers go side by side (a re-plan of 58 layers x 256 experts spent 5 ms
+    in a Python loop per layer). Same arithmetic, in the same order, as one layer at a
+    time."""
+    t = np.asarray(loads, dtype=np.float64)
+    if t.ndim != 2 or t.shape[1] == 0:
         raise ValueError("experts: need at least one expert")
+    num_layers, num_experts = t.shape
     if min_replicas < 1:
         raise ValueError(f"min_replicas: must be >= 1, got {min_replicas}")
     if total_slots < num_experts * min_replicas:
@@ -37,28 +48,28 @@ def allocate_replicas(loads: Sequence[float], total_slots: int, min_replicas: in
             + (f", or lower min_replicas to {total_slots // num_experts}"
                if total_slots >= num_experts else "")
         )
-    if any(not math.isfinite(t) or t < 0 for t in loads):
+    if not (np.isfinite(t).all() and (t >= 0).all()):
         raise ValueError("loads: every expert load must be a finite number >= 0")
-    if sum(loads) <= 0:
-        loads = [1.0] * num_experts  # no traffic measured yet: treat experts as equal
+    t[t.sum(axis=1) <= 0] = 1.0  # no traffic measured yet: treat experts as equal
 
-    order = sorted(range(num_experts), key=lambda e: (loads[e], e))
-    # suffix[i] = load of order[i:], summed from the small end so it is as exact as floats allow
-    suffix = [0.0] * (num_experts + 1)
-    for i in range(num_experts - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + loads[order[i]]
-
-    replicas = [0] * num_experts
-    free = total_slots
-    for i, e in enumerate(order[:-1]):
-        share = loads[e] / suffix[i] * free if suffix[i] > 0 else 0.0
-        r = max(math.floor(share + _FLOOR_SLACK), min_replicas)
+    order = np.argsort(t, axis=1, kind="stable")  # least loaded first, ties by expert id
+    ranked = np.take_along_axis(t, order, axis=1)
+    # suffix[:, i] = load of ranked[:, i:], summed from the small end (a running sum)
+    suffix = np.cumsum(ranked[:, ::-1], axis=1)[:, ::-1]
+    counts = np.empty((num_layers, num_experts), dtype=np.int64)
+    free = np.full(num_layers, total_slots, dtype=np.int64)
+    for i in range(num_experts - 1):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(suffix[:, i] > 0, ranked[:, i] / suffix[:, i] * free, 0.0)
+        r = np.maximum(np.floor(share + _FLOOR_SLACK).astype(np.int64), min_replicas)
         # Leave every expert still to come its minimum, whatever rounding did.
-        r = min(r, free - (num_experts - 1 - i) * min_replicas)
-        replicas[e] = r
+        r = np.minimum(r, free - (num_experts - 1 - i) * min_replicas)
+        counts[:, i] = r
         free -= r
-    replicas[order[-1]] = free
-    return replicas
+    counts[:, -1] = free
+    replicas = np.empty_like(counts)
+    np.put_along_axis(replicas, order, counts, axis=1)
+    return replicas.tolist()
 
 
 def even_out(replicas: Sequence[int], loads: Sequence[float], keep: int) -> list[int]:

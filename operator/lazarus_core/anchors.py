@@ -70,13 +70,18 @@ def anchors_of_presence(presence: Sequence[np.ndarray], replicas: Sequence[Seque
     cores = minimal_rows(every)
     sizes = cores.sum(axis=1)
     masks = masks_of(cores) + [0]
-    out = []
+    # One product for every layer (float32: exact for counts of up to 2^24 nodes, and it
+    # runs on BLAS, unlike integers).
+    contained = (np.concatenate(presence).astype(np.float32) @ cores.T.astype(np.float32)
+                 == sizes)
+    # cores are sorted by size: the first one contained is the smallest
+    contained = np.concatenate((contained, np.ones((len(contained), 1), dtype=bool)), axis=1)
+    which = contained.argmax(axis=1).tolist()  # the last column (no core) if none is
+    out, start = [], 0
     for present, counts in zip(presence, replicas):
-        contained = present.astype(np.int32) @ cores.T.astype(np.int32) == sizes
-        # cores are sorted by size: the first one contained is the smallest
-        contained = np.concatenate((contained, np.ones((len(contained), 1), dtype=bool)), axis=1)
-        which = contained.argmax(axis=1)  # the last column (no core) when none is contained
-        out.append(LayerAnchors(tuple(counts), tuple(masks[i] for i in which.tolist())))
+        out.append(LayerAnchors(tuple(counts),
+                                tuple(masks[i] for i in which[start:start + len(present)])))
+        start += len(present)
     return out
 
 
@@ -162,12 +167,13 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
             nodes[core] = nodes_of(core)
         return nodes[core]
 
-    def take(e: int, core: int) -> None:
+    def take(e: int, core: int, on: list[int] | None = None) -> None:
+        """Anchor e on ``core`` (whose nodes are ``on``, when the caller has them)."""
         nonlocal full
         cores[e] = core
         users[core] += 1
         weight = weights[e]
-        for i in members(core):
+        for i in on if on is not None else members(core):
             load[i] += weight
             room[i] -= 1
             if not room[i]:
@@ -175,8 +181,9 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
 
     order = _ranked(replicas, weights)
     if previous is not None:
+        cap = min(n, largest)
         kept = [e for e in order
-                if previous[e] and previous[e].bit_count() <= min(replicas[e], n, largest)]
+                if previous[e] and previous[e].bit_count() <= min(replicas[e], cap)]
         # Every previous core that fits is kept unless some node runs out of room first;
         # when no node is asked for more than it has, none does, and they are taken at once
         # (most re-plans: far fewer distinct cores than experts).
@@ -218,10 +225,9 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
         if size == largest and held and (core is None or core & held != core):
             # Anchored on ``largest`` nodes, e is never fatal at the failure counts scored:
             # any of the nodes that hold it already will do, and nobody else needs them.
-            open_held = [i for i in nodes_of(held) if room[i]]
-            if len(open_held) >= size:
-                core = sum(1 << i for i in open_held[:size])
-                take(e, core)
+            open_held = _lowest_open(held, room, size)
+            if len(open_held) == size:
+                take(e, sum(1 << i for i in open_held), open_held)
                 continue
         if core is None and sharing is not None:
             core = _superset(family, size, full, room, load)
@@ -234,6 +240,19 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
             family.sort(key=_size_first)
         take(e, core)
     return LayerAnchors(tuple(replicas), tuple(cores))
+
+
+def _lowest_open(mask: int, room: Sequence[int], count: int) -> list[int]:
+    """Up to ``count`` nodes of ``mask`` with room, lowest first (without listing every
+    node of a mask that holds most of the cluster)."""
+    out = []
+    while mask and len(out) < count:
+        low = mask & -mask
+        i = low.bit_length() - 1
+        if room[i]:
+            out.append(i)
+        mask ^= low
+    return out
 
 
 def _superset(family: Sequence[int], size: int, full: int, room: Sequence[int],

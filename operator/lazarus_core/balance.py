@@ -40,8 +40,9 @@ STALLED_ROUNDS = 8
 def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
                 weights: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
                 slots_per_rank: Sequence[int],
-                references: Sequence[np.ndarray] | None = None) -> list[Placement]:
-    """Every layer's placement: node position -> expert ids, one per slot, rank by rank.
+                references: Sequence[np.ndarray] | None = None) -> np.ndarray:
+    """Every layer's placement, [layer, slot]: the expert id in each slot, node by node in
+    position order, rank by rank within a node (``plan.split_slots`` makes lists of it).
 
     ``anchored`` has one row (layer, node, expert) per anchored replica, and no
     (layer, node, expert) twice; ``references[l][node, e]`` are the replicas of e that the
@@ -128,21 +129,35 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     if references is not None:
         # Still out of balance: kept replicas may move after all, each one a transfer.
         homes.append((np.concatenate((np.where(anchor, nodes, -1), loose)), BALANCE_TARGET))
+    weight = w[all_layer, all_experts]
+    slot_of = _slot_table(all_ranks, len(load))
     for home, enough in homes:
-        _exchange(all_ranks, w[all_layer, all_experts], home, rank_node, load, rank_slots,
-                  num_ranks, enough)
-    flat = all_experts[np.argsort(all_ranks, kind="stable")].reshape(num_layers, -1)
-    if (capacity == capacity[0]).all():  # every node alike: split by reshaping
-        return flat.reshape(num_layers, n, -1).tolist()
-    bounds = np.concatenate(([0], np.cumsum(capacity))).tolist()
-    return [[layer[bounds[i]:bounds[i + 1]] for i in range(n)] for layer in flat.tolist()]
+        _exchange(all_ranks, slot_of, weight, home, rank_node, load, rank_slots, num_ranks,
+                  enough)
+    return all_experts[np.argsort(all_ranks, kind="stable")].reshape(num_layers, -1)
 
 
-def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_node: np.ndarray,
-              load: np.ndarray, rank_slots: np.ndarray, num_ranks: int, enough: float) -> None:
+def _slot_table(ranks: np.ndarray, num_all_ranks: int) -> np.ndarray:
+    """[rank, slot]: the replica (index into ``ranks``) in each slot of each rank, -1 for
+    none."""
+    order = np.argsort(ranks, kind="stable")
+    counts = np.bincount(ranks, minlength=num_all_ranks)
+    width = int(counts.max()) if len(counts) else 0
+    if (counts == width).all():  # every rank full and alike: the sorted order, cut in rows
+        return order.reshape(num_all_ranks, width)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    slot_of = np.full((num_all_ranks, width), -1, dtype=np.int64)
+    slot_of[ranks[order], np.arange(len(ranks)) - starts[ranks[order]]] = order
+    return slot_of
+
+
+def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home: np.ndarray,
+              rank_node: np.ndarray, load: np.ndarray, rank_slots: np.ndarray,
+              num_ranks: int, enough: float) -> None:
     """In every layer, pair its busiest ranks with lighter ones, and in every pair at once
     make the one swap of two replicas that lowers the pair's larger load the most
-    (``ranks`` in place; ranks are numbered layer by layer, ``num_ranks`` to a layer).
+    (``ranks`` and ``slot_of``, its ``_slot_table``, in place; ranks are numbered layer by
+    layer, ``num_ranks`` to a layer).
 
     Round t pairs a layer's i-th busiest rank with its (i + t)-th lightest, so a busy rank
     meets other partners. A layer stops after ``PATIENCE`` rounds in a row gain nothing, or
@@ -151,12 +166,7 @@ def _exchange(ranks: np.ndarray, weights: np.ndarray, home: np.ndarray, rank_nod
     with replicas on that node; the others trade with any free replica.
     """
     num_layers = len(load) // num_ranks
-    order = np.argsort(ranks, kind="stable")
-    counts = np.bincount(ranks, minlength=len(load))
-    width = int(counts.max()) if len(counts) else 0
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    slot_of = np.full((len(load), width), -1, dtype=np.int64)
-    slot_of[ranks[order], np.arange(len(ranks)) - starts[ranks[order]]] = order
+    width = slot_of.shape[1]
     padded_w = np.append(weights, np.nan)
     padded_home = np.append(home, -2)
     layer_slots = rank_slots.reshape(num_layers, num_ranks).sum(axis=1)
@@ -216,7 +226,7 @@ def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndar
     what a node holds is looked at, not every (node, expert) pair."""
     num_layers, num_experts = replicas.shape
     n = len(capacity)
-    stacked = np.stack(references)
+    stacked = np.asarray(references)
     kl, kn, ke = np.nonzero(stacked)  # in (layer, node, expert) order
     count = stacked[kl, kn, ke]
     # Take out the anchor (at most one per layer, node, expert).
@@ -227,14 +237,20 @@ def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndar
     # Per expert: keep in node order while the count left after the anchors allows.
     free = (replicas.ravel() - np.bincount(layer_of * num_experts + experts,
                                            minlength=num_layers * num_experts))
+    # Only groups that hold more than their limit need the turns (most keep all they
+    # hold), so only their elements are sorted and walked.
     pair = kl * num_experts + ke
-    order = np.argsort(pair * n + kn, kind="stable")
-    kept = np.zeros(len(spare), dtype=np.int64)
-    kept[order] = _take_in_turn(spare[order], pair[order], free[pair[order]])
+    kept = spare.astype(np.int64)
+    over = np.bincount(pair, weights=kept, minlength=num_layers * num_experts) > free
+    at = np.flatnonzero(over[pair])
+    at = at[np.argsort(pair[at] * n + kn[at], kind="stable")]
+    kept[at] = _take_in_turn(kept[at], pair[at], free[pair[at]])
     # Per node (nonzero gives them in layer, node, expert order): what its slots allow.
     room = (np.tile(capacity, num_layers) - np.bincount(layer_of * n + nodes,
                                                         minlength=num_layers * n))
-    kept = _take_in_turn(kept, kl * n + kn, room[kl * n + kn])
+    node = kl * n + kn
+    at = np.flatnonzero((np.bincount(node, weights=kept, minlength=num_layers * n) > room)[node])
+    kept[at] = _take_in_turn(kept[at], node[at], room[node[at]])
     keep = kept > 0
     return kl[keep], kn[keep], ke[keep], kept[keep]
 

@@ -215,10 +215,12 @@ def _transfers(names: Sequence[str], present: Sequence[np.ndarray], new: Plan) -
     return Migration(transfers, tuple(lost))
 
 
-def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]]) -> tuple[int, ...]:
+def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]] | np.ndarray
+                ) -> tuple[int, ...]:
     """Which of ``node``'s GPUs runs each rank of a plan position, in rank order: the
     assignment that keeps the most replicas on the GPU that held them under ``old``.
-    ``slots``: per layer, the position's slots (``node.slots_per_gpu`` per rank)."""
+    ``slots``: per layer, the position's slots (``node.slots_per_gpu`` per rank), as
+    lists or one [layer, slot] array."""
     if node.gpus == 1:
         return node.devices
     try:
@@ -226,14 +228,13 @@ def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]]) -> tu
     except KeyError:
         return node.devices  # new to the plan: it holds nothing yet
     before = old.nodes[i]
-    if before.devices == node.devices and all(
-            tuple(want) == layer.placement[i] for want, layer in zip(slots, old.layers)):
-        return node.devices  # the common case after a re-plan: every GPU keeps its ranks'
     layers, experts = len(old.layers), old.experts
     # [layer, rank or GPU, slot]: what each rank of the position needs, each GPU held.
     wanted = np.asarray(slots).reshape(layers, node.gpus, node.slots_per_gpu)
-    had = np.asarray([layer.placement[i] for layer in old.layers]).reshape(
+    had = old.slot_matrix[:, old.slot_offsets[i]:old.slot_offsets[i + 1]].reshape(
         layers, len(before.devices), before.slots_per_rank)
+    if before.devices == node.devices and np.array_equal(wanted, had):
+        return node.devices  # every GPU keeps its ranks' slots
     # Each (layer, expert) as one code; a rank's codes sorted, each counted once.
     code = (np.arange(layers) * experts)[:, None, None]
     needs = (wanted + code).transpose(1, 0, 2).reshape(node.gpus, -1)

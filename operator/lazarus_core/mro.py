@@ -24,7 +24,7 @@ from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, a
 from .allocation import even_out
 from .balance import BALANCE_TARGET, fill_layers, rank_loads
 from .placement import Grouping, Placement, compact, nested_groups, spread
-from .plan import replica_counts
+from .plan import replica_counts, split_slots
 from .recovery import BITMAP_NODES, fatal_counts, masks_of
 from .recovery_search import SCORING_BUDGET, improve, improve_anchors
 
@@ -53,13 +53,15 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     """
     anchors = structure(layers, slots, loads, ranks_per_node)
     weights = loads if loads is not None else [[1.0] * len(r) for r in layers]
-    return place_anchored(anchors, slots, weights, ranks_per_node, None)
+    return [split_slots(row, slots)
+            for row in place_anchored(anchors, slots, weights, ranks_per_node, None)]
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
                    loads: Sequence[Sequence[float]], ranks_per_node: Sequence[int] | None,
-                   references: Sequence[np.ndarray] | None) -> list[Placement]:
-    """Each layer's free replicas placed around its anchors to balance the ranks.
+                   references: Sequence[np.ndarray] | None) -> np.ndarray:
+    """Each layer's free replicas placed around its anchors to balance the ranks, as
+    [layer, slot] (``balance.fill_layers``).
 
     ``references[l][node, e]`` are the replicas a node already holds, kept where possible.
     """
@@ -76,8 +78,8 @@ def per_replica(replicas, loads) -> np.ndarray:
 
 
 def _fill_layer(anchors: LayerAnchors, slots, load, ranks_per_node, reference) -> Placement:
-    return place_anchored([anchors], slots, [load], ranks_per_node,
-                          None if reference is None else [reference])[0]
+    return split_slots(place_anchored([anchors], slots, [load], ranks_per_node,
+                                      None if reference is None else [reference])[0], slots)
 
 
 def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
@@ -104,14 +106,15 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
                 loads: Sequence[Sequence[float]] | None,
                 ranks_per_node: Sequence[int] | None,
                 previous: Sequence[Sequence[int]],
-                holders: Sequence[Sequence[int]]) -> tuple[list[LayerAnchors], bool]:
+                holders: Sequence[Sequence[int]],
+                before: Sequence[Sequence[int]]) -> tuple[list[LayerAnchors], bool]:
     """Every layer's replica counts and anchors for a re-plan, and whether they are fresh
     (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
     repaired on the nodes themselves.
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
-    (layer, expert) now, masks alike. Repaired anchors keep experts on their cores, with
+    (layer, expert) now, masks alike; ``before`` the replica counts of the plan before. Repaired anchors keep experts on their cores, with
     new cores on nodes that hold the expert already, as they are and dealt anew within
     their cores; a fresh structure is ``structure``'s. A re-plan compares recovery at
     ``REPLAN_FAILURES`` only (the next loss brings the next re-plan, and a fresher structure
@@ -121,19 +124,21 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     """
     shape = _Shape(layers, slots, loads, ranks_per_node)
     n = len(slots)
-    repaired, qualifying = [], []
-    for index, replicas in enumerate(shape.variants):
-        weights, probe = shape.weighed(replicas)
-        repaired.append(repair(replicas, weights, previous, holders, slots, shape.largest))
-        if not any(model_key(repaired[-1], n, REPLAN_FAILURES)):
-            balance = shape.balance_of(repaired[-1][probe], probe, weights)
-            if balance <= BALANCE_TARGET:
-                qualifying.append((balance, index))
     # Repaired anchors with no fatal set at REPLAN_FAILURES and ranks within BALANCE_TARGET
     # cannot be beaten (fatal counts are never negative) and move least: the fresh
-    # structures, most of a plan's time, are built only when no repair qualifies.
-    if qualifying:
-        return repaired[min(qualifying)[1]], False
+    # structures, most of a plan's time, are built only when no repair qualifies. The
+    # variant whose counts change least from the plan before is repaired first (it moves
+    # least), the other only when that one does not qualify.
+    changed = [int(np.abs(np.asarray(replicas) - np.asarray(before)).sum())
+               for replicas in shape.variants]
+    repaired = {}
+    for index in sorted(range(len(shape.variants)), key=changed.__getitem__):
+        replicas = shape.variants[index]
+        weights, probe = shape.weighed(replicas)
+        repaired[index] = repair(replicas, weights, previous, holders, slots, shape.largest)
+        if (not any(model_key(repaired[index], n, REPLAN_FAILURES))
+                and shape.balance_of(repaired[index][probe], probe, weights) <= BALANCE_TARGET):
+            return repaired[index], False
     index, weights, probe, template = shape.template(balance_first=True)
     replicas, kept = shape.variants[index], repaired[index]
 

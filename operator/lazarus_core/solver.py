@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocation import allocate_replicas
+from .allocation import allocate_many
 from .anchors import anchors_of_presence, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
@@ -62,7 +62,7 @@ def allocate_layers(loads: Sequence[Sequence[float]] | None, layers: int, expert
         loads = [[1.0] * experts] * layers
     if len(loads) != layers or any(len(l) != experts for l in loads):
         raise ValueError(f"loads: need {layers} layers x {experts} experts of load")
-    return [allocate_replicas(l, total_slots, min_replicas) for l in loads]
+    return allocate_many(loads, total_slots, min_replicas)
 
 
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
@@ -108,14 +108,22 @@ def _positions(nodes, experts, layers, min_replicas, loads):
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
                policy, generation, reason, max_failures,
                devices: Sequence[Sequence[int]] | None = None) -> Plan:
-    """``devices``: per node, which of its GPUs run its ranks in order (default: its usable
-    GPUs in index order)."""
+    """``placements``: per layer, per node its slots, or one [layer, slot] array (the
+    MRO fill's, kept by the plan: ``LayerPlan.from_slots``). ``devices``: per node, which of
+    its GPUs run its ranks in order (default: its usable GPUs in index order)."""
     plan_nodes, rank = [], 0
     for i, n in enumerate(ordered):
         plan_nodes.append(PlanNode(name=n.name, ranks=tuple(range(rank, rank + n.gpus)),
                                    slots_per_rank=n.slots_per_gpu, zone=n.zone,
                                    devices=tuple(devices[i] if devices else n.devices)))
         rank += n.gpus
+    if isinstance(placements, np.ndarray):
+        sizes = [n.slots for n in ordered]
+        layers = tuple(LayerPlan.from_slots(r, row, sizes)
+                       for r, row in zip(replicas, placements))
+    else:
+        layers = tuple(LayerPlan(tuple(r), tuple(tuple(s) for s in p))
+                       for r, p in zip(replicas, placements))
     return validate(Plan(
         generation=generation,
         experts=experts,
@@ -123,9 +131,9 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
         policy=policy,
         reason=reason,
         nodes=tuple(plan_nodes),
-        layers=tuple(LayerPlan(tuple(r), tuple(tuple(s) for s in p))
-                     for r, p in zip(replicas, placements)),
-        recovery=recovery_table(placements, max_failures) if max_failures else {},
+        layers=layers,
+        recovery=(recovery_table([layer.placement for layer in layers], max_failures)
+                  if max_failures else {}),
     ))
 
 
@@ -144,14 +152,17 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
     return [[translate[c] for c in a.cores] for a in anchors]
 
 
-def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> list[np.ndarray]:
-    """Per layer, [position, expert]: replicas the node now at each position already holds."""
+def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> np.ndarray:
+    """[layer, position, expert]: replicas the node now at each position already holds
+    (int16: a replica count never reaches a node's slots, and the fill scans all of it)."""
     index = {n.name: i for i, n in enumerate(old.nodes)}
     rows = [index.get(n.name, -1) if n.name in sources else -1 for n in ordered]
-    held = np.array([i >= 0 for i in rows])[:, None]
-    take = np.maximum(rows, 0)
-    return [np.where(held, layer.counts[take], 0)
-            for layer in old.layers]
+    held = np.array([i >= 0 for i in rows])
+    out = np.zeros((len(old.layers), len(ordered), old.experts), dtype=np.int16)
+    take = np.array(rows)[held]
+    for li, layer in enumerate(old.layers):
+        out[li, held] = layer.counts[take]
+    return out
 
 
 @dataclass(frozen=True)
@@ -179,9 +190,10 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
                                        loads)
         slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
         references = _references(old, ordered, sources)
-        holders = [masks_of(ref.T > 0) for ref in references]
+        every = masks_of((references > 0).transpose(0, 2, 1).reshape(-1, len(ordered)))
+        holders = [every[i:i + old.experts] for i in range(0, len(every), old.experts)]
         anchors, fresh = restructure(replicas, slots, loads, gpus, surviving_cores(old, ordered),
-                                     holders)
+                                     holders, [layer.replicas for layer in old.layers])
         if fresh:  # built on positions: the nodes that hold its anchors play them
             ordered = map_anchors(anchors, ordered, references)
             references = _references(old, ordered, sources)
@@ -189,8 +201,13 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
         placements = place_anchored(anchors, slots, weights, gpus, references)
     # Each rank of a node is played by the GPU of that node that holds most of what it needs.
-    devices = [map_devices(old, node, [p[q] for p in placements])
-               for q, node in enumerate(ordered)]
+    if isinstance(placements, np.ndarray):
+        bounds = np.concatenate(([0], np.cumsum([n.slots for n in ordered]))).tolist()
+        devices = [map_devices(old, node, placements[:, bounds[q]:bounds[q + 1]])
+                   for q, node in enumerate(ordered)]
+    else:
+        devices = [map_devices(old, node, [p[q] for p in placements])
+                   for q, node in enumerate(ordered)]
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
                       old.policy, old.generation + 1, reason, max_failures, devices)
     return Replan(plan, plan_transfers(old, plan, sources))
