@@ -341,7 +341,8 @@ def _job(ns: str, nodes: int) -> dict:
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "LazarusJob",
         "metadata": {"name": "bench", "namespace": ns},
         "spec": {
-            "runtime": {"model": "gpt-l", "experts": 16, "layers": 12},
+            "runtime": {"model": "gpt-l", "experts": 16, "layers": 12,
+                        "globalBatch": max(8, nodes)},  # a sample per rank at least
             "minNodes": nodes // 2, "maxNodes": nodes, "replicas": nodes,
             "gpusPerNode": 1, "slotsPerGpu": 6, "minReplicas": 2,
             "template": {
