@@ -158,7 +158,11 @@ def main() -> int:
     finally:
         if operator is not None:
             operator.terminate()
-            operator.wait(timeout=30)
+            try:
+                operator.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # still draining its watches: the cluster
+                operator.kill()                # below must go down all the same
+                operator.wait()
         core.delete_namespace(ns)
         nodes = core.list_node(label_selector=f"lazarus.dev/bench={ns}").items
         delete_nodes([n.metadata.name for n in nodes])

@@ -161,13 +161,15 @@ class Applier:
         # in the background, and only once the plan has stood for ANNOTATE_AFTER_S: a
         # thousand pod patches cost seconds of this process's CPU, and during a reclaim
         # they held back the watch events and the re-plan of the nodes lost next.
-        record.published = plan.generation
+        # The closures below hold the generation, not the plan: a thousand queued patches
+        # would otherwise keep a plan of every recent generation alive.
+        generation = record.published = plan.generation
         patch = {"metadata": {"annotations": {
-            builders.GENERATION_ANNOTATION: str(plan.generation)}}}
+            builders.GENERATION_ANNOTATION: str(generation)}}}
         pods = [obs.pod_on[n.name] for n in plan.nodes if n.name in obs.pod_on]
 
         def annotate(pod: str) -> None:
-            if record.published != plan.generation:
+            if record.published != generation:
                 return  # a newer generation is out; its own fan-out covers this pod
             try:
                 ignore_missing(self.core.patch_namespaced_pod, pod, namespace, patch)
@@ -175,7 +177,7 @@ class Applier:
                 log.warning("could not annotate %s/%s: %s", namespace, pod, e.reason)
 
         def fan_out() -> None:
-            if record.published == plan.generation:
+            if record.published == generation:
                 for pod in pods:
                     self._background.submit(annotate, pod)
 

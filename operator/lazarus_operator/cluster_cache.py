@@ -17,8 +17,8 @@ from kubernetes.client.exceptions import ApiException
 
 from lazarus_core.cluster_contract import JOB_LABEL, ROLE_LABEL, state_configmap_name
 
-from .kube_api import list_json
-from .observe import NodeInfo, pod_fingerprint
+from .kube_api import list_json_pages
+from .observe import NodeInfo, pod_fingerprint, slim_pod
 
 Key = tuple[str, str]  # (namespace, job name)
 ROLES = ("worker", "coordinator")
@@ -64,7 +64,7 @@ class ClusterCache:
                 pods.pop(name, None)
                 self._fingerprints.pop(key, None)
                 return True
-            pods[name] = pod
+            pods[name] = pod = slim_pod(pod)
             fingerprint = pod_fingerprint(pod)
             if self._fingerprints.get(key) == fingerprint:
                 return False
@@ -94,8 +94,9 @@ class ClusterCache:
         if not full:
             with self._guard:
                 return list(self._pods.get((job, role), {}).values())
-        pods = list_json(self.core.list_namespaced_pod, job[0],
-                         label_selector=f"{JOB_LABEL}={job[1]},{ROLE_LABEL}={role}")
+        pods = [slim_pod(p) for page in list_json_pages(
+            self.core.list_namespaced_pod, job[0],
+            label_selector=f"{JOB_LABEL}={job[1]},{ROLE_LABEL}={role}") for p in page]
         with self._guard:
             self._pods[(job, role)] = {p["metadata"]["name"]: p for p in pods}
         self._refresh_nodes(pods)
@@ -141,11 +142,13 @@ class ClusterCache:
         names = {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}
         if not names:
             return
-        present = {n["metadata"]["name"]: n
-                   for n in list_json(self.core.list_node, resource_version="0")}
+        present: dict[str, NodeInfo] = {}
+        for page in list_json_pages(self.core.list_node):
+            present.update((n["metadata"]["name"], NodeInfo.from_manifest(n))
+                           for n in page if n["metadata"]["name"] in names)
         for node in names:
             if node in present:
-                self.nodes[node] = NodeInfo.from_manifest(present[node])
+                self.nodes[node] = present[node]
                 self.gone.discard(node)
             else:
                 self.nodes.pop(node, None)

@@ -169,6 +169,31 @@ def _owned(meta: Mapping, owner_uid: str) -> bool:
     return any(r.get("uid") == owner_uid for r in meta.get("ownerReferences") or [])
 
 
+def slim_pod(pod: Mapping) -> dict:
+    """The parts of a pod that ``observe_workers``, ``observe_coordinator`` and
+    ``pod_fingerprint`` read, and nothing else: a pod as the API server sends it is about
+    40 KB of Python objects (managed fields, the whole spec), and the operator keeps every
+    worker's, 40 MB at a thousand nodes (bench_operator_replan.py)."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    terminated = ((statuses[0].get("state") or {}).get("terminated")
+                  if statuses else None)
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "labels",
+                                          "deletionTimestamp", "ownerReferences") if k in meta},
+        "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
+        "status": {
+            **{k: status[k] for k in ("phase", "reason") if k in status},
+            "conditions": [{"type": c.get("type"), "status": c.get("status")}
+                           for c in status.get("conditions") or []
+                           if c.get("type") == "DisruptionTarget"],
+            "containerStatuses": ([{"state": {"terminated": {
+                k: terminated.get(k) for k in ("message", "reason", "exitCode")
+                if k in terminated}}}] if terminated else []),
+        },
+    }
+
+
 def pod_fingerprint(pod: Mapping) -> tuple:
     """Everything ``observe_workers`` reads from a pod: if it is unchanged, so is the job."""
     meta, status = pod["metadata"], pod.get("status") or {}
