@@ -114,9 +114,10 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
-    (layer, expert) now, masks alike; ``before`` the replica counts of the plan before. Repaired anchors keep experts on their cores, with
-    new cores on nodes that hold the expert already, as they are and dealt anew within
-    their cores; a fresh structure is ``structure``'s. A re-plan compares recovery at
+    (layer, expert) now, masks alike; ``before`` the replica counts of the plan before.
+    Repaired anchors keep experts on their cores, with new cores on nodes that hold the
+    expert already, as they are and dealt anew within their cores; a fresh structure is
+    ``structure``'s. A re-plan compares recovery at
     ``REPLAN_FAILURES`` only (the next loss brings the next re-plan, and a fresher structure
     that survives a few more sets of many simultaneous failures is not worth moving a
     quarter of the replicas), then ranks within ``BALANCE_TARGET``, then moving less, then
