@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from .controller import Progress
 from .plan import Plan
@@ -26,10 +27,23 @@ ROLE_LABEL = f"{GROUP}/role"
 # experts away (spot notice).
 PLAN_KEY = "plan.json"
 DRAINING_KEY = "draining.json"
-# The state ConfigMap's keys: the latest progress report, and the nodes whose workers the
-# coordinator declared lost (no heartbeat, a hung loop), each with the reason.
+# The state ConfigMap's keys: the latest progress report, and the rank processes the
+# coordinator declared lost (exited, no heartbeat, a hung loop), each with the reason.
 PROGRESS_KEY = "progress.json"
 SUSPECTS_KEY = "suspects.json"
+# How a reason in suspects.json starts when the rank's node agent saw it exit: such a rank
+# failed for good (its agent ends the pod once every rank has), while a silent one may beat
+# again. The reason also names the agent's pod: until a new pod's rank says hello, the
+# coordinator still shows the exit of the pod before it on the same node.
+_EXITED = "its process exited with status "
+_IN_POD, _SAYS, _LOCALLY = " (its node agent in pod ", " says)", " (its node agent says)"
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    """A rank exit, as the operator reads it from suspects.json."""
+    pod_uid: str  # the pod whose agent saw it ("" outside a cluster)
+    message: str  # its status and last words
 
 
 def plan_configmap_name(job: str) -> str:
@@ -62,6 +76,25 @@ def state_configmap_data(progress: Progress | None,
     if progress is not None:
         data[PROGRESS_KEY] = progress_json(progress)
     return data
+
+
+def exit_reason(status: int, last_words: str, pod_uid: str) -> str:
+    """Why the coordinator finds a rank lost whose node agent (in the pod ``pod_uid``, ""
+    outside a cluster) saw it exit."""
+    return f"{_EXITED}{status}" + (f": {last_words}" if last_words else "") \
+        + (f"{_IN_POD}{pod_uid}{_SAYS}" if pod_uid else _LOCALLY)
+
+
+def exit_of(reason: str) -> ExitReport | None:
+    """The exit a suspect's ``reason`` reports; None when the rank was found lost otherwise
+    (silent, hung)."""
+    if not (reason.startswith(_EXITED) and reason.endswith(_SAYS)):
+        return None
+    if reason.endswith(_LOCALLY):
+        said, pod_uid = reason[:-len(_LOCALLY)], ""
+    else:  # the last words come first, so the pod is the last one named
+        said, _, pod_uid = reason[:-len(_SAYS)].rpartition(_IN_POD)
+    return ExitReport(pod_uid, "exit status " + said[len(_EXITED):])
 
 
 def read_state_configmap(data: Mapping[str, str] | None) -> tuple[Progress | None, dict[str, str]]:

@@ -43,6 +43,9 @@ PLAN_CONFIGMAP = "LAZARUS_PLAN_CONFIGMAP"
 WORKERS_SERVICE = "LAZARUS_WORKERS_SERVICE"
 # --- the node agent, and the rank processes it starts ----------------------------------------
 GPUS_PER_NODE = "LAZARUS_GPUS_PER_NODE"  # rank processes a node agent starts
+# The worker pod's uid: the agent's exit reports name it, so that the operator never takes
+# the exits of an earlier pod on the same node for this one's (unset outside a cluster).
+POD_UID = "LAZARUS_POD_UID"
 # The job's collective backend. The local backend sets it for its agents, since only it sees
 # that ranks of different nodes share a GPU; a pod's agent decides from its own GPUs.
 BACKEND = "LAZARUS_BACKEND"
@@ -160,6 +163,7 @@ class AgentEnv:
     backend: str | None = None
     # The GPUs the agent may use, as CUDA_VISIBLE_DEVICES lists them; None: all it sees.
     visible_gpus: str | None = None
+    pod_uid: str = ""
 
     @property
     def coordinator_address(self) -> tuple[str, int]:
@@ -176,7 +180,8 @@ def read_agent_env(environ: Mapping[str, str]) -> AgentEnv:
         return AgentEnv(node=environ[NODE_NAME], coordinator=environ[COORDINATOR], ranks=ranks,
                         job=environ[JOB], key=_job_key(environ),
                         backend=_one_of(environ, BACKEND, BACKENDS, None),
-                        visible_gpus=environ.get(CUDA_VISIBLE_DEVICES))
+                        visible_gpus=environ.get(CUDA_VISIBLE_DEVICES),
+                        pod_uid=environ.get(POD_UID, ""))
     except ValueError as e:
         raise EnvError(f"malformed node agent environment: {e}") from None
 

@@ -109,6 +109,7 @@ def build_worker_pod(job: str, namespace: str, spec: JobSpec, index: int, genera
         penv.WORKERS_SERVICE: service_name(job),
     }).items()]
     env += [{"name": penv.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": penv.POD_UID, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
             {"name": penv.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             _key_env(key_secret)]
     ours = {e["name"] for e in env}

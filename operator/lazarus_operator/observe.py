@@ -6,9 +6,10 @@ must be cleaned up, and whether the job's coordinator lives. Unit-tested without
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lazarus_core.cluster_contract import exit_of
 from lazarus_core.job_spec import JobSpec
 from lazarus_core.plan import member_device, member_node
 from lazarus_core.topology import NodeSpec
@@ -61,25 +62,27 @@ class Observation:
     # Pods to delete: finished or failed, or stranded on a node that is gone or NotReady.
     # (name, force): force for pods no kubelet will ever confirm deleting.
     doomed: list[tuple[str, bool]] = field(default_factory=list)
-    # Pods whose worker exited with an error: (pod uid, node, what it said last).
+    # Pods whose worker exited with an error: (pod uid, node, what it said last). Also a
+    # pod still running whose every rank its agent saw exit: the pod ends soon, and telling
+    # now keeps a replacement from starting before the controller knows the worker failed.
     failed: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None],
                     job: JobSpec, owner_uid: str,
-                    suspects: Collection[str] = ()) -> Observation:
+                    suspects: Mapping[str, str] | None = None) -> Observation:
     """Classify the job's worker pods. ``nodes`` maps each pod's node to its info, or None
     when the node no longer exists. Only pods the job owns (``owner_uid``, by owner
     reference: labels can be copied by anyone who may create a pod) count as its workers;
     another pod's name is still never reused. ``suspects``: rank processes
     (``plan.member_name``) the coordinator found lost (exited, no heartbeat, a hung loop)
-    while Kubernetes still shows their pod running. A node with every rank lost counts as
-    lost, one with some as a node without those ranks' GPUs; their pods are kept, so that a
-    rank that resumes can be taken back."""
-    lost_gpus: dict[str, set[int]] = {}
-    for member in suspects:
+    while Kubernetes still shows their pod running, each with the reason. A node with every
+    rank lost counts as lost, one with some as a node without those ranks' GPUs; their pods
+    are kept, so that a rank that resumes can be taken back."""
+    lost_gpus: dict[str, dict[int, str]] = {}
+    for member, reason in (suspects or {}).items():
         try:
-            lost_gpus.setdefault(member_node(member), set()).add(member_device(member))
+            lost_gpus.setdefault(member_node(member), {})[member_device(member)] = reason
         except ValueError:
             continue  # not a coordinator's finding: a malformed ConfigMap reads as absent
     notice_taints = set(job.spot_notice_taints)
@@ -117,10 +120,17 @@ def observe_workers(pods: Sequence[Mapping], nodes: Mapping[str, NodeInfo | None
             continue
         out.pod_on[node_name] = meta["name"]
         live = node.spec(job)
-        lost = lost_gpus.get(node_name, set())
-        if set(live.devices) <= lost:
+        # Lost ranks, each with its exit if its agent saw it; an exit the pod before this one
+        # on the node reported says nothing of this pod's rank (it has not said hello yet).
+        uid = meta.get("uid", meta["name"])
+        lost = {d: how for d, reason in lost_gpus.get(node_name, {}).items()
+                if (how := exit_of(reason)) is None or how.pod_uid == uid}
+        if set(live.devices) <= lost.keys():
+            exits = [lost[d] for d in live.devices]
+            if all(exits):
+                out.failed.append((uid, node_name, exits[0].message))
             continue
-        out.live.append(live.without_gpus(lost) if lost else live)
+        out.live.append(live.without_gpus(set(lost)) if lost else live)
         if node.taints & notice_taints or _disruption_target(status):
             out.noticed.add(node_name)
     return out

@@ -26,13 +26,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lazarus_core.cluster_contract import exit_reason
 from lazarus_core.controller import Progress
 from lazarus_core.handover import Held, caught_up, held_under, plan_handover, resume_point
 from lazarus_core.liveness import BEAT_S, Liveness
 from lazarus_core.plan import Plan
 
 from .checkpoint import Checkpoints
-from .job_channel import Directive, Hello, JobChannel, StepReport
+from .job_channel import Directive, Hello, JobChannel, RankExit, StepReport
 
 
 @dataclass
@@ -117,9 +118,9 @@ class StepCoordinator:
         self.liveness = liveness or Liveness()
         self._looked_at = 0.0
         self._lost: dict[str, str] = {}
-        # Of the members looked at last, those whose agent saw them exit (with the status):
-        # lost for good, unlike a silent one, which may beat again.
-        self.exited: dict[str, int] = {}
+        # Of the members looked at last, those whose agent saw them exit: lost for good,
+        # unlike a silent one, which may beat again.
+        self.exited: dict[str, RankExit] = {}
         self._failures_seen = 0
         self._step_started = time.monotonic()
         # The furthest step ever prepared: a step at or below it is being redone.
@@ -230,8 +231,8 @@ class StepCoordinator:
             self.liveness.beat(member, beat, now)
         self._lost = self.liveness.lost(members, now)
         self.exited = self.chan.exits(members)
-        for member, status in self.exited.items():
-            self._lost[member] = f"its process exited with status {status} (its node agent says)"
+        for member, how in self.exited.items():
+            self._lost[member] = exit_reason(how.status, how.last_words, how.pod)
         return self._lost
 
 

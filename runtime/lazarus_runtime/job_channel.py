@@ -174,6 +174,16 @@ class Directive:
 
 
 @dataclass(frozen=True)
+class RankExit:
+    """A rank process its node agent saw exit: the status (negative: a signal), the last
+    line it wrote to stderr (usually the error that ended it), and the agent's pod (its
+    uid; empty outside a cluster)."""
+    status: int
+    last_words: str = ""
+    pod: str = ""
+
+
+@dataclass(frozen=True)
 class StepReport:
     """One rank's account of a prepared step."""
 
@@ -505,20 +515,22 @@ class JobChannel:
         self._hellos[node] = hello
         return hello
 
-    def rank_exited(self, worker: str, status: int) -> None:
-        """A node agent saw its rank process ``worker`` exit with ``status``. Not kept alive
-        by a guard: the rank's next hello deletes it, and must not see it written back."""
-        self._set(f"exited/{worker}", str(status), own=False)
+    def rank_exited(self, worker: str, how: RankExit) -> None:
+        """A node agent saw its rank process ``worker`` exit. Not kept alive by a guard:
+        the rank's next hello deletes it, and must not see it written back."""
+        self._set(f"exited/{worker}", json.dumps(asdict(how)), own=False)
 
-    def exits(self, workers: list[str]) -> dict[str, int]:
-        """The exit status of each of ``workers`` whose agent reported it gone, signed."""
+    def exits(self, workers: list[str]) -> dict[str, RankExit]:
+        """How each of ``workers`` whose agent reported it gone exited, signed."""
         out = {}
         for worker in workers:
             value = self._get(f"exited/{worker}")
+            if value is None:
+                continue
             try:
-                if value is not None:
-                    out[worker] = int(value)
-            except ValueError:
+                d = json.loads(value)
+                out[worker] = RankExit(int(d["status"]), str(d["last_words"]), str(d["pod"]))
+            except (KeyError, TypeError, ValueError):
                 log.error("dropped an unreadable exit report of %s: %r", worker, value)
         return out
 

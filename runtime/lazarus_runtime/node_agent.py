@@ -54,13 +54,13 @@ LAST_WORDS_CHARS = 400
 
 # (local rank, its exit status: negative for a signal, as subprocess reports it, and its
 # last line of stderr)
-RankExit = Callable[[int, int, str], None]
+OnRankExit = Callable[[int, int, str], None]
 
 
 class NodeAgent:
     def __init__(self, ranks: Sequence[RankDevice], backend: str, environ: Mapping[str, str],
                  command: Sequence[str] = WORKER_COMMAND,
-                 on_rank_exit: RankExit = lambda local_rank, code, last_words: None):
+                 on_rank_exit: OnRankExit = lambda local_rank, code, last_words: None):
         self.ranks = list(ranks)
         self.backend = backend
         self.environ = dict(environ)
@@ -142,18 +142,19 @@ class ExitReporter:
 
     RETRY_S = 0.5
 
-    def __init__(self, coordinator: tuple[str, int], node: str, key: str, job: str):
-        self.coordinator, self.node = coordinator, node
+    def __init__(self, coordinator: tuple[str, int], node: str, key: str, job: str,
+                 pod_uid: str = ""):
+        self.coordinator, self.node, self.pod_uid = coordinator, node, pod_uid
         self._signing = (key, job)
-        self._pending: queue.Queue[tuple[int, int]] = queue.Queue()
+        self._pending: queue.Queue[tuple[int, int, str]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="exit-reporter", daemon=True)
 
     def start(self) -> "ExitReporter":
         self._thread.start()
         return self
 
-    def report(self, local_rank: int, status: int) -> None:
-        self._pending.put((local_rank, status))
+    def report(self, local_rank: int, status: int, last_words: str) -> None:
+        self._pending.put((local_rank, status, last_words))
 
     def flush(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until every report is written."""
@@ -166,19 +167,20 @@ class ExitReporter:
 
         import torch.distributed as dist
 
-        from .job_channel import CoordinatorLost, JobChannel
+        from .job_channel import CoordinatorLost, JobChannel, RankExit
 
         host, port = self.coordinator
         chan = None
         while True:
-            local_rank, status = self._pending.get()
+            local_rank, status, last_words = self._pending.get()
             while True:
                 try:
                     if chan is None:
                         chan = JobChannel(dist.TCPStore(
                             host, port, is_master=False, timeout=datetime.timedelta(seconds=5)),
                             *self._signing)
-                    chan.rank_exited(member_name(self.node, local_rank), status)
+                    chan.rank_exited(member_name(self.node, local_rank),
+                                     RankExit(status, last_words, self.pod_uid))
                     break
                 except (CoordinatorLost, RuntimeError, OSError) as e:
                     log.debug("%s: could not report rank %d yet: %s", self.node, local_rank, e)
@@ -196,7 +198,7 @@ def _die_with_parent() -> None:
         return  # no prctl: the pod's end still takes every process of the container
 
 
-def _report(node: str, gpus: Mapping[int, str | None], reporter: ExitReporter) -> RankExit:
+def _report(node: str, gpus: Mapping[int, str | None], reporter: ExitReporter) -> OnRankExit:
     def report(local_rank: int, code: int, last_words: str) -> None:
         where = f"GPU {gpus[local_rank]}" if gpus[local_rank] is not None else "the CPU"
         if code == 0:
@@ -205,7 +207,7 @@ def _report(node: str, gpus: Mapping[int, str | None], reporter: ExitReporter) -
             log.warning("%s: rank %d (%s) exited with status %d (%s); the node's other ranks "
                         "go on, and the plan drops this one", node, local_rank, where, code,
                         last_words or "it said nothing")
-        reporter.report(local_rank, code)
+        reporter.report(local_rank, code, last_words)
     return report
 
 
@@ -226,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every GPU the pod was given.
     ranks = place_ranks(env.ranks, visible_gpus(env.visible_gpus))
     backend = env.backend or collective_backend(ranks)
-    reporter = ExitReporter(env.coordinator_address, env.node, env.key, env.job)
+    reporter = ExitReporter(env.coordinator_address, env.node, env.key, env.job, env.pod_uid)
     agent = NodeAgent(ranks, backend, os.environ, args or WORKER_COMMAND,
                       on_rank_exit=_report(env.node, {r.local_rank: r.gpu for r in ranks},
                                            reporter))

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("kubernetes")  # the coordinator talks to the API server
 
 import torch.distributed as dist  # noqa: E402
+from lazarus_core.cluster_contract import ExitReport, exit_of  # noqa: E402
 from lazarus_core.controller import STALLED, Progress  # noqa: E402
 from lazarus_core.plan import member_name  # noqa: E402
 from lazarus_core.process_env import new_job_key  # noqa: E402
@@ -18,7 +19,7 @@ from lazarus_core.solver import plan_job, replan  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
 
 from lazarus_runtime.cluster_coordinator import ClusterCoordinator, Published  # noqa: E402
-from lazarus_runtime.job_channel import Hello, JobChannel, StepReport  # noqa: E402
+from lazarus_runtime.job_channel import Hello, JobChannel, RankExit, StepReport  # noqa: E402
 
 NODES = [NodeSpec(f"n{i}", 1, 4, zone=f"z{i % 2}") for i in range(4)]
 
@@ -205,11 +206,12 @@ def test_a_predecessors_lost_worker_stays_lost_until_it_beats_again(job):
 def test_a_rank_its_agent_saw_exit_is_reported_lost_at_once_by_its_name(job):
     chan, plans, state = job
     coord = running(chan, plans, state)
-    chan.rank_exited("n1/0", -9)  # its GPU failed; its node agent goes on
+    chan.rank_exited("n1/0", RankExit(-9, "", "pod-uid-1"))  # its GPU failed; the agent goes on
     coord.steps._looked_at = 0.0  # the next tick reads the store
     coord.tick()
     assert list(state.suspects) == ["n1/0"], state.suspects
-    assert "exited with status -9" in state.suspects["n1/0"]
+    # The operator reads it as that pod's exit.
+    assert exit_of(state.suspects["n1/0"]) == ExitReport("pod-uid-1", "exit status -9")
     # Unlike a silent worker, it is not forgotten: it will never come back.
     import lazarus_runtime.cluster_coordinator as cc
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lazarus_core import process_env as penv
 
 from gloo_harness import free_port
-from lazarus_runtime.job_channel import JobChannel
+from lazarus_runtime.job_channel import JobChannel, RankExit
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_pat
     os.kill(pids[1], signal.SIGKILL)  # a GPU failed and took its rank with it
     wait_until(lambda: coordinator.exits(members), timeout=10,
                what="the agent to report its dead rank")
-    assert coordinator.exits(members) == {"node-a/1": -signal.SIGKILL}
+    assert coordinator.exits(members) == {"node-a/1": RankExit(-signal.SIGKILL, "")}
     assert agent.poll() is None, "the agent must outlive one of its ranks"
     assert alive(pids[0]) and alive(pids[2])
     assert not any(p.pid == pids[1] for p in psutil.Process(agent.pid).children())  # no restart
@@ -129,12 +129,18 @@ def test_a_dead_rank_is_reported_and_the_others_go_on_until_told_to_stop(tmp_pat
 def test_the_agents_last_line_carries_the_failed_ranks_last_words(tmp_path, coordinator):
     """A pod's termination message is its log's tail; the operator quotes its last line
     when workers fail to start, so that line must be the rank's error, not the agent's."""
-    agent = start_agent(tmp_path, coordinator, 2, "fail", CUDA_VISIBLE_DEVICES="")
+    agent = start_agent(tmp_path, coordinator, 2, "fail", CUDA_VISIBLE_DEVICES="",
+                        LAZARUS_POD_UID="pod-uid-7")
     assert agent.wait(timeout=60) == 1
     lines = agent.stderr.read().strip().splitlines()
     assert lines[-1].startswith("lazarus node agent: error: rank "), lines
     assert "no such file /corpus" in lines[-1], lines
     assert sum(line.startswith("lazarus worker: error:") for line in lines) == 2  # relayed
+    # The coordinator hears the same words at once, before the pod has ended (the operator
+    # counts the start failure from that report).
+    assert coordinator.exits(["node-a/0", "node-a/1"]) == {
+        f"node-a/{r}": RankExit(1, "lazarus worker: error: spec.runtime.data: no such file "
+                                   "/corpus", "pod-uid-7") for r in (0, 1)}
 
 
 @pytest.mark.timeout(120)

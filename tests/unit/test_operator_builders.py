@@ -6,7 +6,8 @@ import pytest
 pytest.importorskip("kopf")  # the operator extra
 
 from lazarus_core import process_env as penv  # noqa: E402
-from lazarus_core.cluster_contract import (read_plan_configmap,  # noqa: E402
+from lazarus_core.cluster_contract import (ExitReport, exit_of,  # noqa: E402
+                                           exit_reason, read_plan_configmap,
                                            read_state_configmap, state_configmap_data)
 from lazarus_core.controller import Progress  # noqa: E402
 from lazarus_core.job_spec import parse_spec  # noqa: E402
@@ -281,11 +282,36 @@ def test_ranks_the_coordinator_found_lost_drop_their_gpus_but_their_pods_are_kep
     pods = [_pod(f"j-worker-{i}", n, index=i) for i, n in enumerate("abc")]
     # Both ranks of b (the node is lost), one of c (its GPU 0 is), and a name no coordinator
     # writes (ignored rather than fatal).
-    obs = observe_workers(pods, nodes, SPEC, JOB_UID, suspects={"b/0", "b/1", "c/0", "junk"})
+    silent = "no heartbeat for 3.0 s"
+    obs = observe_workers(pods, nodes, SPEC, JOB_UID,
+                          suspects=dict.fromkeys(("b/0", "b/1", "c/0", "junk"), silent))
     assert [n.name for n in obs.live] == ["a", "c"]
     assert obs.live[0].devices == (0, 1) and obs.live[1].devices == (1,)
     assert obs.live[1].gpus == 1
     assert obs.doomed == [] and set(obs.pod_on) == {"a", "b", "c"}
+    assert obs.failed == []  # silent ranks may beat again: not a failure
+
+
+def test_a_running_pod_whose_every_rank_exited_is_a_failed_worker_already():
+    """Its agent ends the pod soon; the coordinator's report of the exits (with the ranks'
+    last words) counts now, so that no replacement starts before the failure is known."""
+    nodes = {n: NodeInfo.from_manifest(_node(n)) for n in "abcd"}
+    pods = [_pod(f"j-worker-{i}", n, index=i) for i, n in enumerate("abcd")]
+    for p in pods:
+        p["metadata"]["uid"] = f"uid-{p['metadata']['name']}"
+    error = "ValueError: dataset: '/data/x.txt' is not an existing file"
+    obs = observe_workers(pods, nodes, SPEC, JOB_UID, suspects={
+        # Every rank exited:
+        "a/0": exit_reason(1, error, "uid-j-worker-0"),
+        "a/1": exit_reason(-9, "", "uid-j-worker-0"),
+        # One still may beat:
+        "b/0": exit_reason(1, error, "uid-j-worker-1"), "b/1": "no heartbeat for 3.0 s",
+        # One of two: c only loses a GPU.
+        "c/0": exit_reason(1, error, "uid-j-worker-2"),
+        # Exits the pod before this one on d reported: this one's ranks are starting.
+        "d/0": exit_reason(1, error, "uid-gone"), "d/1": exit_reason(1, error, "uid-gone")})
+    assert obs.failed == [("uid-j-worker-0", "a", f"exit status 1: {error}")]
+    assert [n.name for n in obs.live] == ["c", "d"] and obs.doomed == []
 
 
 def test_the_coordinator_is_replaced_when_its_process_pod_or_node_dies():
@@ -349,3 +375,11 @@ def test_a_pod_that_names_no_job_as_its_owner_asks_for_no_pass():
     forged["metadata"]["ownerReferences"] = []
     assert not reconciler.pod_changed(forged, deleted=False)
     assert not reconciler.pod_changed(forged, deleted=True)
+
+
+def test_exit_reasons_read_back_whatever_the_last_words_say():
+    for words in ("", "ValueError: x (its node agent in pod y says)", "a: b: c"):
+        for uid in ("", "0d1e-77"):
+            assert exit_of(exit_reason(-9, words, uid)) == ExitReport(
+                uid, "exit status -9" + (f": {words}" if words else ""))
+    assert exit_of("no heartbeat for 3.0 s") is None

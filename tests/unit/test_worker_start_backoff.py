@@ -40,6 +40,20 @@ def test_failures_before_the_first_step_back_off_exponentially_up_to_the_cap():
     assert ERROR in r["message"] and "6 worker(s)" in r["message"]
 
 
+def test_the_wait_doubles_per_round_of_workers_not_per_worker():
+    # Eight workers started together fail one after another: one backoff of 2 s for all.
+    state, now = job(), T0
+    for i in range(8):
+        out = c.handle_all(state, [c.WorkerFailed(f"n{i}", ERROR), c.Tick()], now + i / 10)
+        state = out.state
+        assert out.retry_at == T0 + 2
+    assert (state.start_failures, state.start_backoffs) == (8, 1)
+    # The round started after it fails too: the next wait is twice as long.
+    state = c.handle(state, c.WorkerFailed("n0", ERROR), T0 + 5).state
+    assert (state.start_failures, state.start_retry_at) == (9, T0 + 5 + 4)
+    assert "9 worker(s)" in ready(state)["message"]
+
+
 def test_a_worker_that_trained_and_then_failed_is_a_lost_node_not_a_start_failure():
     out = c.handle(job(), c.NodesJoined(nodes("n0", "n1")), T0)
     state = c.handle(out.state, c.Progress(step=1, generation=1), T0).state
@@ -80,3 +94,39 @@ def test_failed_pods_are_reported_with_their_last_words_evictions_are_not():
     obs = observe_workers(pods, {}, job().spec, JOB_UID)
     assert obs.failed == [("uid-a", "n0", ERROR), ("uid-c", "n1", "exit code 137: OOMKilled")]
     assert sorted(name for name, _ in obs.doomed) == ["a", "b", "c"]
+
+
+def test_a_worker_whose_ranks_exited_backs_off_before_its_pod_ends_and_counts_once():
+    """The coordinator hears a rank exit before Kubernetes shows its pod Failed. Its node is
+    lost at once; were the failure counted only when the pod ends, a replacement would start
+    in between, with no backoff (a crash loop at the speed of a worker's start-up)."""
+    from lazarus_core.cluster_contract import exit_reason
+    from lazarus_operator.apply import JobRecord
+    from lazarus_operator.observe import NodeInfo
+
+    infos = {n: NodeInfo(n, "a", True, True, frozenset()) for n in ("n0", "n1")}
+    record, state, now = JobRecord(), job(), T0
+
+    def observe_pass(pods, suspects=None):
+        nonlocal state
+        obs = observe_workers(pods, infos, state.spec, JOB_UID, suspects)
+        events = [*record.new_failures(obs), *c.observe(state, obs.live, obs.noticed), c.Tick()]
+        state = c.handle_all(state, events, now).state
+        return obs
+
+    observe_pass([pod("w0", "Running"), pod("w1", "Running", node="n1")])
+    assert state.alive == {"n0", "n1"} and state.plan is not None
+    error = "ValueError: dataset: '/data/x.txt' is not an existing file"
+    now += 1
+    obs = observe_pass([pod("w0", "Running"), pod("w1", "Running", node="n1")],
+                       {"n0/0": exit_reason(1, error, "uid-w0"),
+                        "n1/0": exit_reason(1, error, "uid-w1")})
+    assert obs.live == [] and state.start_failures == 2
+    assert error in state.start_error
+    assert state.missing_workers(0, now) == 0  # nothing replaces them yet
+    # The pods end as their agents exit: already counted.
+    ended = {"containerStatuses": [{"state": {"terminated": {"exitCode": 1, "message": error}}}]}
+    now += 1
+    observe_pass([pod("w0", "Failed", **ended), pod("w1", "Failed", node="n1", **ended)])
+    assert state.start_failures == 2 and state.missing_workers(0, now) == 0
+    assert state.missing_workers(0, state.start_retry_at) == 2

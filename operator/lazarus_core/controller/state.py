@@ -55,9 +55,11 @@ class JobState:
     # failure to start.
     proven: frozenset[str] = frozenset()
     # Workers that failed before completing a step, in a row since a worker last proved
-    # itself; what the last one said; when the next may start.
+    # itself; what the last one said; the backoffs they caused (one per round of workers
+    # started together); when the next may start.
     start_failures: int = 0
     start_error: str | None = None
+    start_backoffs: int = 0
     start_retry_at: float | None = None
     # A non-urgent change waiting for the next step boundary (its plan reason).
     pending: str | None = None

@@ -77,14 +77,22 @@ def handle_all(state: JobState, events: Iterable[Event], now: float) -> Outcome:
 
 def _on_worker_failed(state: JobState, e: WorkerFailed, now: float) -> Outcome:
     """A worker that failed before its first step is not replaced at once: the same cause
-    (a bad runtime section, an image that cannot run) would fail the next one too."""
+    (a bad runtime section, an image that cannot run) would fail the next one too.
+
+    The wait doubles per round of workers, not per worker: no worker starts during a
+    backoff, so one that fails during it was started with the round that began it. Counted
+    per worker, a job of 64 nodes would reach the longest wait after its first round, and
+    how soon the second came would depend on how many failures one look at the pods saw."""
     if e.node in state.proven:
         return Outcome(state)  # a worker that trained, lost: NodesLost re-plans around it
-    failures = state.start_failures + 1
-    s = state.settings
-    retry_at = now + min(s.start_backoff_s * 2 ** (failures - 1), s.start_backoff_max_s)
-    return Outcome(dataclasses.replace(state, start_failures=failures, start_error=e.message,
-                                       start_retry_at=retry_at), retry_at=retry_at)
+    state = dataclasses.replace(state, start_failures=state.start_failures + 1,
+                                start_error=e.message)
+    if state.start_retry_at is not None and now < state.start_retry_at:
+        return Outcome(state, retry_at=state.start_retry_at)
+    backoffs, s = state.start_backoffs + 1, state.settings
+    retry_at = now + min(s.start_backoff_s * 2 ** (backoffs - 1), s.start_backoff_max_s)
+    return Outcome(dataclasses.replace(state, start_backoffs=backoffs, start_retry_at=retry_at),
+                   retry_at=retry_at)
 
 
 def _on_lost(state: JobState, lost: set[str], now: float) -> Outcome:
@@ -191,7 +199,7 @@ def _on_progress(state: JobState, p: Progress, now: float) -> Outcome:
         state = dataclasses.replace(state, departed=frozenset(), proven=state.proven | started)
         if newly and state.start_failures:  # a new worker started fine: the cause is gone
             state = dataclasses.replace(state, start_failures=0, start_error=None,
-                                        start_retry_at=None)
+                                        start_backoffs=0, start_retry_at=None)
         if state.draining:
             decisions.append(ReleaseWorkers(tuple(sorted(state.draining))))
             state = dataclasses.replace(state, draining=frozenset())
