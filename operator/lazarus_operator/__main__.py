@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="before a job's first plan, wait this long for its target nodes")
     parser.add_argument("--stall-seconds", type=float, default=600.0,
                         help="publish a job's nodes again when it made no step for this long "
-                             "with every worker alive (0: never)")
+                             "with every worker alive, once it made its first (0: never)")
     parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT,
                         help="port of each job's coordinator (the workers' rendezvous store)")
     parser.add_argument("--verbose", action="store_true")

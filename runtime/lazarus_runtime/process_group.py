@@ -99,12 +99,27 @@ def _nccl_options(timeout_s: float):
     return options
 
 
+# Gloo groups left because a peer failed, each with when it may be dropped. A gloo group's
+# destruction joins its worker threads, and one blocked on a peer that vanished without
+# closing its connections (a reclaimed node: its network goes first) returns only at the
+# group's timeout; its abort does not wake it. Dropped where the last reference happened to
+# go (in the training loop), the group made the next generation wait out that timeout (30 s
+# in an e2e run) before its first step. Kept here instead until the stuck work has timed
+# out, its destruction is then immediate.
+_retired: list[tuple[float, dist.ProcessGroup]] = []
+
+
 def leave_generation(comm: Collectives, failed: bool = False) -> None:
     """Tear the generation's group down. ``failed`` first aborts work a dead or frozen peer
     would never complete; an NCCL communicator is always aborted, since its orderly
     destruction waits for peers that may be gone by now."""
     if comm.group is None:
         return
-    if failed or dist.get_backend(comm.group) == NCCL:
+    gloo = dist.get_backend(comm.group) == GLOO
+    if failed or not gloo:
         comm.group.abort()
+    now = time.monotonic()
+    _retired[:] = [(until, g) for until, g in _retired if until > now]
+    if failed and gloo:
+        _retired.append((now + comm.timeout_s + 1.0, comm.group))
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ says hello again with what it holds: the replacement carries on from there.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -50,6 +51,23 @@ from .process_group import join_generation, leave_generation
 from .state_exchange import exchange
 
 log = logging.getLogger("lazarus.worker")
+
+# A step of a reconfiguration (leaving a group, joining one, the expert exchange) that takes
+# longer than this is logged with its time: a reconfiguration takes well under a second, and
+# the waits that can take a collective timeout instead (a rendezvous cannot be interrupted)
+# are otherwise invisible in the logs.
+SLOW_PHASE_S = 5.0
+
+
+@contextlib.contextmanager
+def _timed(me: str, what: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:  # failed too: a rendezvous that timed out is the case to see
+        took = time.perf_counter() - start
+        if took > SLOW_PHASE_S:
+            log.warning("%s: %s took %.1f s", me, what, took)
 
 class GenerationEnded(Exception):
     """The current generation is over (failure, interruption, or a newer plan)."""
@@ -249,14 +267,18 @@ class Worker:
             experts, dense = {}, None  # nothing trained yet: the seeded initial weights
         else:
             try:
-                experts, dense = exchange(comm, self.cfg.model, self.engine, self.me, ranks,
-                                          d.transfers, d.joiners, d.dense_source,
-                                          stepped=d.start_step > 1, device=self.settings.device)
+                with _timed(self.me, f"the expert exchange of generation {g}"):
+                    experts, dense = exchange(comm, self.cfg.model, self.engine, self.me, ranks,
+                                              d.transfers, d.joiners, d.dense_source,
+                                              stepped=d.start_step > 1,
+                                              device=self.settings.device)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
                 self._peer_failed(g, e)
                 raise GenerationEnded.by(f"expert transfers of generation {g}", e) from e
         self.chan.fetched(g, self.me)
-        if not self.chan.wait_adopted(g, self.settings.plan_timeout_s):
+        with _timed(self.me, f"waiting for every member of generation {g} to have its state"):
+            adopted = self.chan.wait_adopted(g, self.settings.plan_timeout_s)
+        if not adopted:
             raise GenerationEnded(f"generation {g} was superseded before every member "
                                   f"had its state")
         timings["migrate_s"] = time.perf_counter() - start
@@ -289,11 +311,12 @@ class Worker:
               timings: dict[str, float]) -> Collectives:
         start = time.perf_counter()
         try:
-            self.comm = join_generation(self.store, scope, rank, world_size,
-                                        timeout_s=self.settings.collective_timeout_s,
-                                        interrupted=lambda: self._superseded(g),
-                                        backend=self.settings.backend,
-                                        device=self.settings.device)
+            with _timed(self.me, f"joining the process group of generation {scope}"):
+                self.comm = join_generation(self.store, scope, rank, world_size,
+                                            timeout_s=self.settings.collective_timeout_s,
+                                            interrupted=lambda: self._superseded(g),
+                                            backend=self.settings.backend,
+                                            device=self.settings.device)
         except (RuntimeError, TimeoutError) as e:
             raise GenerationEnded.by(f"joining generation {g}", e) from e
         timings["rebuild_s"] += time.perf_counter() - start
@@ -301,7 +324,8 @@ class Worker:
 
     def _leave(self, failed: bool) -> None:
         if self.comm is not None:
-            leave_generation(self.comm, failed=failed)
+            with _timed(self.me, "leaving the process group" + (" (aborted)" if failed else "")):
+                leave_generation(self.comm, failed=failed)
             self.comm = None
 
     def _restore(self, d: Directive, rank: int, comm: Collectives) -> None:
@@ -328,7 +352,9 @@ class Worker:
         while True:
             self.heartbeat.in_step(True)
             try:
-                result = self.engine.prepare(step)
+                with _timed(self.me, f"step {step}, the first of generation {g}") \
+                        if step == d.start_step else contextlib.nullcontext():
+                    result = self.engine.prepare(step)
             except (CollectiveInterrupted, CollectiveTimeout, RuntimeError) as e:
                 self._peer_failed(g, e)
                 raise GenerationEnded.by(f"generation {g} ended during step {step}", e) from e

@@ -240,6 +240,14 @@ def test_a_job_without_progress_gets_its_nodes_again_once_per_stall_period():
     assert _published(c.handle(out.state, c.Tick(), T0 + 70)).plan.generation == 3
 
 
+def test_no_stall_plan_before_the_first_step_however_long_the_workers_take_to_start():
+    state = c.new_job(job(replicas=4), c.Settings(start_grace_s=0, stall_s=30))
+    state = c.handle(state, c.NodesJoined(nodes("n0", "n1", "n2", "n3")), T0).state
+    assert c.handle(state, c.Tick(), T0 + 3_600).decisions == ()  # images still pulling
+    state = c.handle(state, c.Progress(step=1, generation=1), T0 + 3_601).state
+    assert _published(c.handle(state, c.Tick(), T0 + 3_631)).plan.reason == c.STALLED
+
+
 def test_no_stall_plan_while_a_lost_node_is_the_reason_or_when_turned_off():
     state = c.new_job(job(replicas=4), c.Settings(start_grace_s=0, stall_s=30))
     state = c.handle(state, c.NodesJoined(nodes("n0", "n1", "n2", "n3")), T0).state

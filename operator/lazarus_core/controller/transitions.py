@@ -264,9 +264,15 @@ def _advance(state: JobState, now: float) -> Outcome:
 
 def _stalled(state: JobState, now: float) -> bool:
     """No progress under the current plan for ``stall_s``, counted from its publication or
-    the last report, whichever is later (an operator that just restarted counts from now)."""
-    if not state.settings.stall_s or state.stale:
-        return False  # a lost node's own re-plan is on its way
+    the last report, whichever is later (an operator that just restarted counts from now).
+
+    Not before the job's first step: its workers are starting (pulling an image, importing
+    torch), which may take longer than any stall bound, and the same nodes published again
+    start them no sooner. A stall plan then only makes workers that just formed their group
+    form another, and a node lost in that moment cost the survivors a rendezvous timeout
+    (the 30 s of a failed CI run)."""
+    if not state.settings.stall_s or state.stale or state.step == 0:
+        return False  # a lost node's own re-plan is on its way, or the job is starting
     since = max(state.progress_at or 0.0, state.changed_at or 0.0)
     return since > 0 and now - since >= state.settings.stall_s
 
