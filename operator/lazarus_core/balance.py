@@ -227,11 +227,14 @@ def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndar
     num_layers, num_experts = replicas.shape
     n = len(capacity)
     stacked = np.asarray(references)
-    kl, kn, ke = np.nonzero(stacked)  # in (layer, node, expert) order
-    count = stacked[kl, kn, ke]
+    # In (layer, node, expert) order; a flat index of a boolean mask, split by hand, is
+    # several times faster than np.nonzero of the counts.
+    key = np.flatnonzero(stacked != 0)
+    kl, at_node = np.divmod(key, n * num_experts)
+    kn, ke = np.divmod(at_node, num_experts)
+    count = stacked.ravel()[key]
     # Take out the anchor (at most one per layer, node, expert).
-    key = (kl * n + kn) * num_experts + ke
-    anchored = np.zeros(num_layers * n * num_experts, dtype=np.int64)
+    anchored = np.zeros(num_layers * n * num_experts, dtype=np.int8)
     anchored[(layer_of * n + nodes) * num_experts + experts] = 1
     spare = count - anchored[key]
     # Per expert: keep in node order while the count left after the anchors allows.

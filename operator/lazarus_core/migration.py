@@ -183,14 +183,16 @@ def _transfers(names: Sequence[str], present: Sequence[np.ndarray], new: Plan) -
     row = {name: i for i, name in enumerate(names)}
     # Destinations' rows among the holders (-1: none; what a holder has, it does not receive).
     had_row = np.array([row.get(n.name, -1) for n in new.nodes], dtype=np.int64)
-    experts = new.experts
-    needed = []
-    for before, new_layer in zip(present, new.layers):
-        nothing = np.zeros((1, experts), dtype=bool)  # row -1: a destination holding nothing
-        had = np.concatenate((before, nothing))[had_row]
-        needed.append((new_layer.counts > 0) & ~had)
-    wants = np.stack(needed, axis=1)  # [destination, layer, expert]
-    dest, layer, expert = np.nonzero(wants)
+    experts, num_layers = new.experts, len(new.layers)
+    # [holder, layer, expert], and a last row for row -1: a destination holding nothing.
+    held = np.zeros((len(names) + 1, num_layers, experts), dtype=bool)
+    held[:-1] = np.stack(present, axis=1)
+    has = np.stack([layer.counts for layer in new.layers], axis=1) > 0
+    wants = has & ~held[had_row]  # [destination, layer, expert]
+    # A flat index of the mask, split by hand: several times faster than np.nonzero.
+    flat = np.flatnonzero(wants)
+    dest, at = np.divmod(flat, num_layers * experts)
+    layer, expert = np.divmod(at, experts)
     # The (layer, expert) groups something is wanted of, and their holders as one flat list
     # with offsets (only theirs: most groups need nothing).
     wanted, group = np.unique(layer * experts + expert, return_inverse=True)
