@@ -62,7 +62,8 @@ _SPIN_S = 50e-6
 class Collectives:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int,
                  timeout_s: float = 60.0, interrupted: Callable[[], bool] = lambda: False,
-                 poll_s: float = 0.05, poll_completion: bool = False):
+                 poll_s: float = 0.05, poll_completion: bool = False,
+                 late_completions: bool = True):
         assert group is not None or world_size == 1, "more than one rank needs a group"
         self.group = group
         self.rank = rank
@@ -72,6 +73,9 @@ class Collectives:
         self.poll_s = poll_s
         # True where work completes on a device stream (NCCL): see the module docstring.
         self.poll_completion = poll_completion
+        # True where work left behind can still complete later: gloo cannot cancel it, and a
+        # frozen peer that resumes answers it (an NCCL communicator's abort cancels it).
+        self.late_completions = late_completions
 
     @classmethod
     def single(cls) -> "Collectives":
@@ -98,9 +102,18 @@ class Collectives:
         return out.view(self.world_size, *x.shape)
 
     def all_reduce_sum_(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over ranks in place; every rank ends with the same bits."""
+        """Sum ``x`` over ranks in place; every rank ends with the same bits.
+
+        Where abandoned work can complete later, the sum is made in a buffer of its own and
+        copied into ``x`` once done: ``x`` is a buffer the next steps use (the gradients), and
+        a late sum written into it, long after its step was interrupted, would corrupt
+        whatever step is then running."""
         if self.group is not None:
-            self.wait(dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            out = x.clone() if self.late_completions else x
+            self.wait(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group,
+                                      async_op=True))
+            if out is not x:
+                x.copy_(out)
         return x
 
     def all_to_all(self, x: torch.Tensor, out_splits: Sequence[int],

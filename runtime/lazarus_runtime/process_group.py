@@ -84,7 +84,7 @@ def join_generation(store: dist.Store, generation: int | str, rank: int, world_s
                             timeout=datetime.timedelta(seconds=timeout_s),
                             pg_options=options, device_id=device_id)
     return Collectives(dist.group.WORLD, rank, world_size, timeout_s, interrupted,
-                       poll_completion=backend == NCCL)
+                       poll_completion=backend == NCCL, late_completions=backend == GLOO)
 
 
 def _nccl_options(timeout_s: float):
@@ -105,7 +105,8 @@ def _nccl_options(timeout_s: float):
 # group's timeout; its abort does not wake it. Dropped where the last reference happened to
 # go (in the training loop), the group made the next generation wait out that timeout (30 s
 # in an e2e run) before its first step. Kept here instead until the stuck work has timed
-# out, its destruction is then immediate.
+# out, its destruction is then immediate. Meanwhile a frozen peer that resumes may complete
+# that work: it writes only into buffers of its own (``Collectives.late_completions``).
 _retired: list[tuple[float, dist.ProcessGroup]] = []
 
 
