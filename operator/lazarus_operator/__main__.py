@@ -10,6 +10,7 @@ from prometheus_client import start_http_server
 
 from . import handlers  # noqa: F401  (registers the kopf handlers)
 from .builders import COORDINATOR_PORT
+from .memory import limit_malloc_arenas
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="port of each job's coordinator (the workers' rendezvous store)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    limit_malloc_arenas()  # before any thread starts
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
