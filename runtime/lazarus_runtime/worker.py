@@ -69,6 +69,7 @@ def _timed(me: str, what: str):
         if took > SLOW_PHASE_S:
             log.warning("%s: %s took %.1f s", me, what, took)
 
+
 class GenerationEnded(Exception):
     """The current generation is over (failure, interruption, or a newer plan)."""
 
