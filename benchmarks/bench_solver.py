@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 from lazarus_core.migration import holdings, plan_transfers  # noqa: E402
-from lazarus_core.mro import best_anchors, cores_key, per_replica, scored_failures  # noqa: E402
+from lazarus_core.anchor_search import best_anchors, cores_key, scored_failures  # noqa: E402
+from lazarus_core.mro import per_replica  # noqa: E402
 from lazarus_core.plan import Plan  # noqa: E402
 from lazarus_core.recovery import recovery_probability  # noqa: E402
 from lazarus_core.solver import _positions, build_plan, plan_job, replan  # noqa: E402

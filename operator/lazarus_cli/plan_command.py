@@ -27,10 +27,6 @@ def register(sub) -> None:
     p.add_argument("--zones", default="1",
                    help="a zone count (nodes dealt round-robin) or one zone name per node, "
                         "comma-separated")
-    p.add_argument("--recovery-first", action="store_true",
-                   help="MRO: keep the most recoverable structure even where its ranks are "
-                        "more than 5%% above the mean (by default recovery beyond one failed "
-                        "node is traded for balance; see docs/placement.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -51,8 +47,7 @@ def run(args) -> int:
 
     def plan(policy: str) -> Plan:
         return plan_job(nodes, args.experts, args.layers, args.min_replicas, policy,
-                        loads=loads, max_failures=args.failures,
-                        balance_first=not args.recovery_first)
+                        loads=loads, max_failures=args.failures)
 
     if args.json:  # one policy: do not pay for the other two
         print(json.dumps(plan_summary(plan(args.policy)), sort_keys=True))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import replica_counts
-from .recovery import masks_of, minimal_rows, minimal_sets
+from .recovery import masks_of, minimal_rows
 
 Placement = list[list[int]]
 
@@ -123,8 +123,9 @@ def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: S
     No core has more than ``largest`` nodes: on many nodes only small failure sets are
     scored, and an expert anchored on that many nodes is never one of them. No core anchors
     more than ``sharing`` experts, when given: the cold experts then spread over more cores,
-    which costs fatal sets but leaves their nodes room for heavier replicas (``mro.py``
-    trades so when the ranks cannot be balanced otherwise).
+    which often costs fatal sets but leaves their nodes room for heavier replicas (``mro.py``
+    tries so where the recovery-best structure leaves the ranks out of balance, and takes it
+    only if it recovers as well).
     """
     anchors = _anchor(replicas, weights, sorted(family, key=_size_first), slots, largest,
                       sharing=sharing)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .count_trading import trade_counts
+
 Placement = list[list[int]]
 
 # A busiest rank within 1% of the mean is not worth more swaps.
@@ -40,7 +42,8 @@ STALLED_ROUNDS = 8
 def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
                 weights: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
                 slots_per_rank: Sequence[int],
-                references: Sequence[np.ndarray] | None = None) -> np.ndarray:
+                references: Sequence[np.ndarray] | None = None,
+                trade: bool = False) -> np.ndarray:
     """Every layer's placement, [layer, slot]: the expert id in each slot, node by node in
     position order, rank by rank within a node (``plan.split_slots`` makes lists of it).
 
@@ -134,7 +137,18 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     for home, enough in homes:
         _exchange(all_ranks, slot_of, weight, home, rank_node, load, rank_slots, num_ranks,
                   enough)
-    return all_experts[np.argsort(all_ranks, kind="stable")].reshape(num_layers, -1)
+    order = np.argsort(all_ranks, kind="stable")
+    placed = all_experts[order].reshape(num_layers, -1)
+    # 5. Layers still out of balance trade replica counts (count_trading.py).
+    per_slot = (load / rank_slots).reshape(num_layers, num_ranks)
+    mean = load.reshape(num_layers, num_ranks).sum(axis=1) / rank_slots[:num_ranks].sum()
+    rank_of_slot = np.repeat(np.arange(num_ranks), rank_slots[:num_ranks])
+    final_home = home[order].reshape(num_layers, -1)
+    for li in np.flatnonzero(trade & (per_slot.max(axis=1) > BALANCE_TARGET * mean)):
+        placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
+                                  final_home[li], w[li] * r[li], rank_slots[:num_ranks],
+                                  int(r[li].min()), BALANCED_ENOUGH)
+    return placed
 
 
 def _slot_table(ranks: np.ndarray, num_all_ranks: int) -> np.ndarray:

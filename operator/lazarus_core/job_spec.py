@@ -14,7 +14,6 @@ values; tests/unit/test_job_spec.py checks that they do.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 

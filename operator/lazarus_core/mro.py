@@ -1,15 +1,12 @@
 """MRO (maximum rank overlap): the placement that maximises model-level recovery.
 
-With E ≤ c every node can hold one replica of every expert, and nesting each expert's
-replicas on a prefix of the node order is optimal: any placement has an expert on at most
-min_e min(r_e, N) distinct nodes, and nesting makes that one prefix the only set whose loss
-is fatal. With E > c no single node set can hold all experts; the paper's grouping is one
-heuristic among several. We build the candidate groupings on the most fragile layer, score
-each by its exact fatal failure sets, keep the best one that is at least as good as spread
-and compact at every failure count scored, and improve it by local search
-(``recovery_search.py``). That layer's cores then anchor every layer (``anchors.py``), so
-the model's failure sets are those of one layer, and the free replicas are placed to
-balance the ranks (``balance.py``).
+The most fragile layer (the fewest replicas on its coldest experts) gets its recovery-best
+anchors (``anchor_search.py``); that layer's cores then anchor every layer
+(``anchors.py``), so the model's failure sets are those of one layer, and the free
+replicas are placed to balance the ranks (``balance.py``). Replica counts are options too:
+the allocation formula's, evened out, and, where none of those balances, the counts the
+fill trades to (``count_trading.py``), each with a structure of its own; the choice goes
+by recovery first, then ranks within 5% of the mean (``_Shape.template``).
 """
 from __future__ import annotations
 
@@ -19,22 +16,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, anchors_of,
-                      balance_within, repair)
+from .anchor_search import best_anchors, cores_key, largest_core, scored_failures
+from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, balance_within,
+                      repair)
 from .allocation import even_out
 from .balance import BALANCE_TARGET, fill_layers, rank_loads
-from .placement import Grouping, Placement, compact, nested_groups, spread
-from .plan import replica_counts, split_slots
-from .recovery import BITMAP_NODES, fatal_counts, masks_of
-from .recovery_search import SCORING_BUDGET, improve, improve_anchors
+from .placement import Placement
+from .plan import split_slots
+from .recovery import fatal_counts
+from .recovery_search import SCORING_BUDGET
 
-# Failure counts compared beyond BITMAP_NODES nodes (on fewer, every count is compared).
-SCORED_FAILURES = 6
-# Largest cluster on which the paper's groupings, spread and compact are tried as
-# constructions and as a floor.
-GROUPED_NODES = 32
 # Failure counts that decide between keeping the surviving cores and a fresh structure.
 REPLAN_FAILURES = 2
+# Rounds of replica counts proposed by the fill's trading, and the options (the best
+# balanced first) that propose in each round (``_Shape.template``).
+TRADE_ROUNDS = 3
+PROPOSERS = 2
 # Recovery probabilities this close at every failure count are equal for choosing between
 # replica counts and between fresh and repaired anchors: a failure model is not more
 # precise. On up to BITMAP_NODES nodes one failure set is worth more than this.
@@ -54,21 +51,23 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     anchors = structure(layers, slots, loads, ranks_per_node)
     weights = loads if loads is not None else [[1.0] * len(r) for r in layers]
     return [split_slots(row, slots)
-            for row in place_anchored(anchors, slots, weights, ranks_per_node, None)]
+            for row in place_anchored(anchors, slots, weights, ranks_per_node, None,
+                                      trade=loads is not None)]
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
                    loads: Sequence[Sequence[float]], ranks_per_node: Sequence[int] | None,
-                   references: Sequence[np.ndarray] | None) -> np.ndarray:
+                   references: Sequence[np.ndarray] | None, trade: bool = False) -> np.ndarray:
     """Each layer's free replicas placed around its anchors to balance the ranks, as
-    [layer, slot] (``balance.fill_layers``).
+    [layer, slot] (``balance.fill_layers``); with ``trade``, a layer still out of balance
+    trades replica counts (read them back from the placement).
 
     ``references[l][node, e]`` are the replicas a node already holds, kept where possible.
     """
     g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
     weights = per_replica([a.replicas for a in anchors], loads)
     return fill_layers([a.replicas for a in anchors], anchored_replicas(anchors), weights,
-                       g, [c // k for c, k in zip(slots, g)], references)
+                       g, [c // k for c, k in zip(slots, g)], references, trade)
 
 
 def per_replica(replicas, loads) -> np.ndarray:
@@ -77,27 +76,20 @@ def per_replica(replicas, loads) -> np.ndarray:
     return np.divide(np.asarray(loads, dtype=np.float64), r, out=np.zeros_like(r), where=r > 0)
 
 
-def _fill_layer(anchors: LayerAnchors, slots, load, ranks_per_node, reference) -> Placement:
-    return split_slots(place_anchored([anchors], slots, [load], ranks_per_node,
-                                      None if reference is None else [reference])[0], slots)
-
-
 def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
               loads: Sequence[Sequence[float]] | None,
-              ranks_per_node: Sequence[int] | None = None,
-              balance_first: bool = True) -> list[LayerAnchors]:
+              ranks_per_node: Sequence[int] | None = None) -> list[LayerAnchors]:
     """Every layer's replica counts and anchors, for a fresh plan.
 
     With ``loads``, the allocation formula's counts are tried as given and evened out
-    (``allocation.even_out``), and the most fragile layer decides which: its best anchors,
+    (``allocation.even_out``), and where neither balances, as the fill trades them
+    (``_Shape.template``); the most fragile layer of each decides: its best anchors,
     aligned over all layers. The choice goes by fatal failure sets (within
     ``RECOVERY_TOLERANCE``), then ranks within ``balance.BALANCE_TARGET`` on the most
-    fragile layer, then balance. With ``balance_first``, anchors that give up fatal sets
-    beyond one failed node for ranks within ``BALANCE_TARGET`` are options too, and come
-    first (``_balanced_first``).
+    fragile layer, then balance.
     """
     shape = _Shape(layers, slots, loads, ranks_per_node)
-    index, weights, probe, template = shape.template(balance_first)
+    index, weights, probe, template = shape.template()
     return align(shape.variants[index], template, slots, weights, weights[probe],
                  shape.largest)
 
@@ -140,8 +132,11 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         if (not any(model_key(repaired[index], n, REPLAN_FAILURES))
                 and shape.balance_of(repaired[index][probe], probe, weights) <= BALANCE_TARGET):
             return repaired[index], False
-    index, weights, probe, template = shape.template(balance_first=True)
-    replicas, kept = shape.variants[index], repaired[index]
+    index, weights, probe, template = shape.template()
+    replicas = shape.variants[index]
+    if index not in repaired:  # counts the fill traded to (``_Shape.template``)
+        repaired[index] = repair(replicas, weights, previous, holders, slots, shape.largest)
+    kept = repaired[index]
 
     def dealt() -> list[LayerAnchors]:
         return [balance_within(a, w, n) for a, w in zip(kept, weights)]
@@ -168,6 +163,8 @@ class _Shape:
 
     def __init__(self, layers, slots, loads, ranks_per_node):
         self.variants = [[list(r) for r in layers]]
+        # Counts are traded for measured loads only (without, they are taken as given).
+        self.trade = loads is not None
         if loads is None:
             loads = [[1.0] * len(r) for r in layers]
         else:
@@ -177,6 +174,7 @@ class _Shape:
         self.slots, self.loads, self.ranks_per_node = slots, loads, ranks_per_node
         self.k = scored_failures(len(slots))
         self.largest = largest_core(len(slots))
+        self.templates: dict[tuple[int, int], LayerAnchors] = {}  # see ``structure_of``
 
     def weighed(self, replicas):
         """Per-replica loads, and the most fragile layer (fewest replicas, coldest first)."""
@@ -185,94 +183,166 @@ class _Shape:
         return weights, probe
 
     def balance_of(self, anchors: LayerAnchors, probe: int, weights) -> float:
-        placement = _fill_layer(anchors, self.slots, self.loads[probe], self.ranks_per_node,
-                                None)
-        return _worst_rank(placement, weights[probe], self.slots, self.ranks_per_node)
+        """The busiest rank over the mean of the probe layer filled around ``anchors``
+        (with the counts its fill trades to)."""
+        return self.filled(anchors, probe, self.trade)[1]
 
-    def template(self, balance_first: bool):
-        """The chosen variant's index, weights, most fragile layer and its anchors."""
-        n, k, slots = len(self.slots), self.k, self.slots
-        counts = []  # (fatal counts, moves, balance, what to return)
-        for index, replicas in enumerate(self.variants):
+    def filled(self, anchors: LayerAnchors, probe: int, trade: bool) -> tuple[list[int], float]:
+        """The probe layer's counts after its fill around ``anchors`` and its busiest rank
+        over the mean."""
+        row = place_anchored([anchors], self.slots, [self.loads[probe]], self.ranks_per_node,
+                             None, trade)[0]
+        counts = np.bincount(row, minlength=len(anchors.replicas))
+        weights = per_replica([counts], [self.loads[probe]])[0]
+        return counts.tolist(), _worst_rank(split_slots(row, self.slots), weights, self.slots,
+                                            self.ranks_per_node)
+
+    def structure_of(self, key: tuple[int, int]) -> LayerAnchors:
+        """The probe layer's anchors of option ``key`` = (variant, sharing): the variant's
+        recovery-best structure (sharing 0), or its greedy construction with no core
+        anchoring more than ``sharing`` experts (``anchors.anchor_greedily``: the cold
+        experts spread over more cores, which leaves their nodes room for heavier
+        replicas and is an option only where it recovers as well)."""
+        if key not in self.templates:
+            index, sharing = key
+            replicas = self.variants[index]
             weights, probe = self.weighed(replicas)
-            template = balance_within(best_anchors(replicas[probe], slots, weights[probe]),
-                                      weights[probe], n)
-            counts.append((cores_key(template, n, k), 0,
-                           self.balance_of(template, probe, weights),
-                           (index, weights, probe, template)))
-        # Recovery is traded for balance only when no variant's own structure balances:
-        # the shared-less structures give up fatal sets by construction, and building them
-        # with the paper's floor is most of a plan's time. (On the 108 settings of
-        # docs/placement.md this changed three plans, each within 1.05 either way.)
-        if balance_first and all(c[2] > BALANCE_TARGET for c in counts):
-            floor = paper_key(self.variants[0], slots, k)
-            for _, _, _, (index, weights, probe, template) in list(counts):
-                for anchors in shared_less(template, slots, weights[probe], self.largest):
-                    key = cores_key(anchors, n, k)
-                    if all(a <= b for a, b in zip(key, floor)):
-                        counts.append((key, 0, self.balance_of(anchors, probe, weights),
-                                       (index, weights, probe, anchors)))
-        return _choose(_balanced_first(counts, n), n)
+            if sharing:
+                anchors = anchor_greedily(replicas[probe], weights[probe], [], self.slots,
+                                          self.largest, sharing)
+            else:
+                anchors = balance_within(best_anchors(replicas[probe], self.slots,
+                                                      weights[probe]),
+                                         weights[probe], len(self.slots))
+            self.templates[key] = anchors
+        return self.templates[key]
+
+    def option(self, key: tuple[int, int], trade: bool):
+        """Option ``key`` for ``_choose``, and whether its fill trades counts (with
+        ``trade``)."""
+        replicas = self.variants[key[0]]
+        weights, probe = self.weighed(replicas)
+        template = self.structure_of(key)
+        counts, balance = self.filled(template, probe, trade)
+        return ((cores_key(template, len(self.slots), self.k), 0, balance,
+                 (key, weights, probe, template)), counts != list(replicas[probe]))
+
+    def traded(self, key: tuple[int, int]) -> list[int]:
+        """The counts a fill of every layer around option ``key``'s anchors trades its way
+        to (``count_trading.py``), as variants, with two that often balance better when
+        given structures of their own: the same counts dealt in load order (the hottest
+        expert the most), and the most fragile layer's traded counts dealt to every layer
+        by load rank (so that every layer takes its anchors). Their indexes, the first one
+        what the fill ends at (a variant already there keeps its index)."""
+        replicas = self.variants[key[0]]
+        weights, probe = self.weighed(replicas)
+        anchors = align(replicas, self.structure_of(key), self.slots, weights, weights[probe],
+                        self.largest)
+        placed = place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,
+                                trade=True)
+        num_experts = len(replicas[0])
+        ends = [np.bincount(row, minlength=num_experts).tolist() for row in placed]
+        by_rank = [ends[probe][e] for e in _by_load(self.loads[probe])]
+        out = []
+        for counts in (ends, [_dealt(sorted(r, reverse=True), t) for r, t in zip(ends, self.loads)],
+                       [_dealt(by_rank, t) for t in self.loads]):
+            if counts not in self.variants:
+                self.variants.append(counts)
+            out.append(self.variants.index(counts))
+        return out
+
+    def template(self):
+        """The chosen variant's index, weights, most fragile layer and its anchors (their
+        fill may trade counts: ``count_trading.py``).
+
+        Options are each variant's recovery-best structure; where none as good on recovery
+        as the best balances, also the shared-less constructions (an option as good on
+        recovery as the best, by other means), and fills that trade counts. A fill that
+        trades ends at counts of its own: each such set of counts gets its own
+        recovery-best structure (with two more proposals: ``traded``), which may trade
+        again. An option whose traded counts have a better structure than its own is
+        dropped: a plan is always the best placement the search finds for the counts it
+        ends with. Only options as good on recovery as the best propose, and only until
+        one of those balances, the ``PROPOSERS`` best balanced of them in each round.
+        """
+        n = len(self.slots)
+        # (variant, sharing) -> (option, whether its fill trades); options are (fatal
+        # counts, moves, balance, what to return). Trading costs more than a fill: tried
+        # only where no option as good on recovery as the best balances without.
+        options = {(i, 0): self.option((i, 0), trade=False) for i in range(len(self.variants))}
+        if not self.trade or _settled([o for o, _ in options.values()], n):
+            return _variant(_choose([o for o, _ in options.values()], n))
+        for i in range(len(self.variants)):
+            most = max(Counter(c for c in self.structure_of((i, 0)).cores if c).values(),
+                       default=1)
+            options.update({(i, s): self.option((i, s), trade=False)
+                            for s in range(most - 1, 0, -1)})
+        if _settled([o for o, _ in options.values()], n):
+            return _variant(_choose([o for o, _ in options.values()], n))
+        options = {key: self.option(key, trade=True) for key in options}
+        ends: dict[tuple[int, int], tuple[int, int]] = {}
+
+        def explore(key: tuple[int, int]) -> None:
+            proposed = self.traded(key)
+            ends[key] = (proposed[0], 0)
+            for j in proposed:
+                if (j, 0) not in options:
+                    options[(j, 0)] = self.option((j, 0), trade=True)
+
+        def valid() -> dict[tuple[int, int], tuple]:
+            return {k: o for k, (o, _) in options.items()
+                    if k not in ends or not _better_key(options[ends[k]][0][0], o[0], n)}
+
+        for _ in range(TRADE_ROUNDS):
+            choices = valid()
+            if _settled(list(choices.values()), n):
+                break
+            best = min(o[0] for o in choices.values())
+            pending = sorted((k for k, o in choices.items()
+                              if _within(o[0], best, n) and options[k][1] and k not in ends),
+                             key=lambda k: choices[k][2])
+            if not pending:
+                break
+            for k in pending[:PROPOSERS]:
+                explore(k)
+        # The option taken must be checked too, if its fill trades.
+        for _ in range(TRADE_ROUNDS):
+            choice = _choose(list(valid().values()), n)
+            if not options[choice[0]][1] or choice[0] in ends:
+                return _variant(choice)
+            explore(choice[0])
+        checked = [o for k, o in valid().items() if not options[k][1] or k in ends]
+        return _variant(_choose(checked or list(valid().values()), n))
 
 
-def shared_less(template: LayerAnchors, slots: Sequence[int], weights: Sequence[float],
-                largest: int) -> list[LayerAnchors]:
-    """Structures that give up fatal sets for balance: the greedy construction with no core
-    anchoring more than s experts, for every s below the most that ``template``'s cores
-    anchor (the cold experts spread over more cores and leave their nodes room for heavier
-    replicas, and the warmer experts anchor on unions of those cores)."""
-    most = max(Counter(c for c in template.cores if c).values(), default=1)
-    return [anchor_greedily(template.replicas, weights, [], slots, largest, sharing)
-            for sharing in range(most - 1, 0, -1)]
+def _variant(choice):
+    """A chosen option's value with its variant's index in place of its key."""
+    (index, _), weights, probe, template = choice
+    return index, weights, probe, template
 
 
-def paper_key(layers: Sequence[Sequence[int]], slots: Sequence[int], k: int) -> tuple[int, ...]:
-    """Fatal failure sets, k = 1..k, of the whole model placed as the paper's MRO places it
-    (and this solver did before issue 18): the popularity grouping, or spread, that is best
-    on the most fragile layer and no worse than spread and compact, nested on every layer.
-    The floor under any recovery traded for balance."""
-    n, num_experts = len(slots), len(layers[0])
-    probe = min(layers, key=sorted)
-
-    def key(placements: Sequence[Placement]) -> tuple[int, ...]:
-        masks = masks_of(np.concatenate([replica_counts(p, num_experts).T > 0
-                                         for p in placements]))
-        return tuple(fatal_counts(masks, n, k, SCORING_BUDGET))
-
-    if num_experts <= min(slots):
-        groupings = [Grouping.build(layers, slots, [num_experts])]
-    else:
-        groupings = [Grouping.build(layers, slots, sizes, nested)
-                     for sizes in _group_sizes(num_experts, min(slots), n)
-                     if len(sizes) <= n
-                     for nested in sorted({1, 2, len(sizes) - 1, len(sizes)}
-                                          & set(range(1, len(sizes) + 1)))]
-    candidates = [(key([nested_groups(probe, slots, g)]), 1, g) for g in groupings]
-    if num_experts > min(slots):
-        spread_key = key([spread(probe, slots)])
-        candidates.append((spread_key, 0, None))
-        floor = [min(a, b) for a, b in zip(spread_key, key([compact(probe, slots)]))]
-        candidates = [c for c in candidates
-                      if all(a <= b for a, b in zip(c[0], floor))] or candidates
-    _, _, best = min(candidates, key=lambda c: (c[0], -c[1]))
-    if best is None:
-        return key([spread(r, slots) for r in layers])
-    return key([nested_groups(r, slots, best) for r in layers])
+def _settled(options, num_nodes: int) -> bool:
+    """Whether an option as good on recovery as the best has ranks within the target."""
+    best = min(o[0] for o in options)
+    return any(o[2] <= BALANCE_TARGET for o in options if _within(o[0], best, num_nodes))
 
 
-def _balanced_first(options, num_nodes: int):
-    """The options to choose among when balance is a constraint: those as good at one
-    failed node as the best (within ``RECOVERY_TOLERANCE``), and of those only the ones
-    with ranks within ``BALANCE_TARGET`` when any is. (Traded options never recover worse
-    than ``paper_key`` at any failure count: ``structure`` leaves those out.)
+def _better_key(key: Sequence[int], other: Sequence[int], num_nodes: int) -> bool:
+    """Fewer fatal sets than ``other`` (lexicographically), beyond ``RECOVERY_TOLERANCE``."""
+    return key < other and not _within(key, other, num_nodes)
 
-    A rank 1.06 times the mean costs every step 6%; a second fatal pair among 45 costs 2.2
-    points of recovery only when two nodes fail before a re-plan. Users asked for balance
-    first (issue 18), but never at the price of surviving one failed node."""
-    best = min(o[0][:1] for o in options)
-    kept = [o for o in options if _within(o[0][:1], best, num_nodes)]
-    balanced = [o for o in kept if o[2] <= BALANCE_TARGET]
-    return balanced or kept
+
+def _by_load(loads: Sequence[float]) -> list[int]:
+    """Experts from the most loaded to the least (ties by expert id)."""
+    return sorted(range(len(loads)), key=lambda e: (-loads[e], e))
+
+
+def _dealt(counts_by_rank: Sequence[int], loads: Sequence[float]) -> list[int]:
+    """Counts given by load rank (the first to the most loaded expert), per expert."""
+    out = [0] * len(loads)
+    for e, count in zip(_by_load(loads), counts_by_rank):
+        out[e] = count
+    return out
 
 
 def _choose(options, num_nodes: int, depth: int | None = None):
@@ -307,92 +377,3 @@ def _worst_rank(placement, weights, slots, ranks_per_node) -> float:
     loads = rank_loads(placement, weights, [c // k for c, k in zip(slots, g)])
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0
-
-
-def scored_failures(num_nodes: int) -> int:
-    return num_nodes - 1 if num_nodes <= BITMAP_NODES else min(SCORED_FAILURES, num_nodes - 1)
-
-
-def largest_core(num_nodes: int) -> int:
-    """Cores beyond the failure counts scored change no score: anchor on no more nodes."""
-    return num_nodes if num_nodes <= BITMAP_NODES else scored_failures(num_nodes) + 1
-
-
-def best_anchors(replicas: Sequence[int], slots: Sequence[int],
-                 weights: Sequence[float], search: bool = True) -> LayerAnchors:
-    """One layer's recovery-best anchors: the best construction, then local search (without
-    ``search``, the construction alone: what benchmarks/bench_solver.py measures the
-    search against)."""
-    num_experts = len(replicas)
-    if num_experts <= min(slots):
-        # Proven optimal: every expert nested on one prefix of the node order.
-        return anchor_greedily(replicas, weights, [], slots, len(slots))
-    k = scored_failures(len(slots))
-    if k < 1:
-        return _anchors_of(spread(replicas, slots), replicas)
-
-    greedy = anchor_greedily(replicas, weights, [], slots, largest_core(len(slots)))
-    if len(slots) > GROUPED_NODES:
-        # Beyond GROUPED_NODES the paper's groupings, spread and compact never beat the
-        # greedy construction in a sweep of 920 configurations (docs/placement.md), and
-        # scoring each costs milliseconds.
-        return improve_anchors(greedy, slots, k) if search else greedy
-    placements = [spread(replicas, slots), fill_anchors(greedy, slots)]
-    for sizes in _group_sizes(num_experts, min(slots), len(slots)):
-        if len(sizes) > len(slots):
-            continue  # each group needs a node of its own (a small node makes many groups)
-        for nested in sorted({1, 2, len(sizes) - 1, len(sizes)} & set(range(1, len(sizes) + 1))):
-            grouping = Grouping.build([replicas], slots, sizes, nested)
-            placements.append(nested_groups(replicas, slots, grouping))
-    candidates = [greedy if i == 1 else _anchors_of(p, replicas) for i, p in enumerate(placements)]
-    scores = [cores_key(a, len(slots), k) for a in candidates]
-    baselines = [scores[0], cores_key(_anchors_of(compact(replicas, slots), replicas),
-                                      len(slots), k)]
-    # Compare only at the failure counts every candidate could count exactly.
-    depth = min(len(s) for s in scores + baselines)
-    floor = [min(b[j] for b in baselines) for j in range(depth)]
-    safe = [i for i, s in enumerate(scores) if all(a <= b for a, b in zip(s[:depth], floor))]
-    ranked = sorted(safe or range(len(candidates)), key=lambda i: (scores[i][:depth], i == 0))
-    if not search:
-        return candidates[ranked[0]]
-    if len(slots) > BITMAP_NODES:
-        return improve_anchors(candidates[ranked[0]], slots, k, floor if safe else None)
-    # Few nodes: swap whole replicas, from the best start and from the best grouping (the
-    # two reach the exhaustive optimum on every instance the tests enumerate).
-    starts = [ranked[0]] + [i for i in ranked[1:2] if i > 1]
-    results = [improve([placements[i]], k, floor if safe else None)[0] for i in starts]
-    return min((_anchors_of(p, replicas) for p in results),
-               key=lambda a: cores_key(a, len(slots), k))
-
-
-def fill_anchors(anchors: LayerAnchors, slots: Sequence[int]) -> Placement:
-    """A placement with ``anchors``, free replicas dealt to balance equal-load experts."""
-    return _fill_layer(anchors, slots, [1.0] * len(anchors.replicas), None, None)
-
-
-def cores_key(anchors: LayerAnchors, num_nodes: int, k: int) -> tuple[int, ...]:
-    return tuple(fatal_counts({c for c in anchors.cores if c}, num_nodes, k, SCORING_BUDGET))
-
-
-def _anchors_of(placement: Placement, replicas: Sequence[int]) -> LayerAnchors:
-    return anchors_of([placement], [replicas])[0]
-
-
-def _group_sizes(num_experts: int, per_node: int, num_nodes: int) -> list[list[int]]:
-    """Ways to cut the popularity order into groups that each fit on one node.
-
-    Full groups of the least popular experts (so the most fragile experts share one core),
-    and even splits into the fewest groups and a couple more (so no group's node range is
-    starved).
-    """
-    fewest = math.ceil(num_experts / per_node)
-    full = [per_node] * (num_experts // per_node)
-    if num_experts % per_node:
-        full.append(num_experts % per_node)
-    ways = [full]
-    for groups in range(fewest, min(fewest + 2, num_nodes, num_experts) + 1):
-        even = [num_experts // groups + (i < num_experts % groups) for i in range(groups)]
-        even.reverse()  # the larger groups take the least popular experts
-        if even not in ways:
-            ways.append(even)
-    return ways

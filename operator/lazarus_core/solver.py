@@ -10,7 +10,8 @@ from .allocation import allocate_many
 from .anchors import anchors_of_presence, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
-from .mro import largest_core, mro, place_anchored, restructure, structure
+from .anchor_search import largest_core
+from .mro import mro, place_anchored, restructure, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
 from .recovery import masks_of, recovery_table
@@ -68,28 +69,33 @@ def allocate_layers(loads: Sequence[Sequence[float]] | None, layers: int, expert
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
              policy: str = "mro", loads: Sequence[Sequence[float]] | None = None,
              generation: int = 1, reason: str = "Initial",
-             max_failures: int = DEFAULT_MAX_FAILURES, balance_first: bool = True) -> Plan:
-    """A complete plan: replicas per layer from the loads, placed by ``policy``.
-
-    ``balance_first`` (MRO) gives up recovery beyond one failed node where that brings the
-    ranks within ``balance.BALANCE_TARGET`` of the mean (docs/placement.md)."""
-    ordered, replicas, placements = layout(nodes, experts, layers, min_replicas, policy, loads,
-                                           balance_first)
+             max_failures: int = DEFAULT_MAX_FAILURES) -> Plan:
+    """A complete plan: replicas per layer from the loads, placed by ``policy``."""
+    ordered, replicas, placements = layout(nodes, experts, layers, min_replicas, policy, loads)
     return build_plan(ordered, replicas, placements, experts, min_replicas, policy,
                       generation, reason, max_failures)
 
 
 def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
-           policy: str, loads: Sequence[Sequence[float]] | None, balance_first: bool = True):
+           policy: str, loads: Sequence[Sequence[float]] | None):
     """Node order, replicas per layer and placements: a plan before it has node identities."""
     ordered, replicas = _positions(nodes, experts, layers, min_replicas, loads)
     slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
     if policy != "mro":
         return ordered, replicas, place(policy, replicas, slots)
-    anchors = structure(replicas, slots, loads, gpus, balance_first=balance_first)
+    anchors = structure(replicas, slots, loads, gpus)
     weights = loads if loads is not None else [[1.0] * experts] * layers
-    return ordered, [list(a.replicas) for a in anchors], place_anchored(anchors, slots, weights,
-                                                                      gpus, None)
+    placements = place_anchored(anchors, slots, weights, gpus, None,
+                                trade=loads is not None)
+    return ordered, placed_counts(placements, experts), placements
+
+
+def placed_counts(placements: np.ndarray, experts: int) -> list[list[int]]:
+    """Replicas per layer and expert of a [layer, slot] fill (its counts may be traded:
+    count_trading.py)."""
+    offsets = np.arange(len(placements))[:, None] * experts
+    return np.bincount((placements + offsets).ravel(),
+                       minlength=len(placements) * experts).reshape(-1, experts).tolist()
 
 
 def _positions(nodes, experts, layers, min_replicas, loads):
@@ -197,9 +203,10 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         if fresh:  # built on positions: the nodes that hold its anchors play them
             ordered = map_anchors(anchors, ordered, references)
             references = _references(old, ordered, sources)
-        replicas = [list(a.replicas) for a in anchors]
-        weights = loads if loads is not None else [[1.0] * old.experts for _ in replicas]
-        placements = place_anchored(anchors, slots, weights, gpus, references)
+        weights = loads if loads is not None else [[1.0] * old.experts for _ in anchors]
+        placements = place_anchored(anchors, slots, weights, gpus, references,
+                                    trade=loads is not None)
+        replicas = placed_counts(placements, old.experts)
     # Each rank of a node is played by the GPU of that node that holds most of what it needs.
     if isinstance(placements, np.ndarray):
         bounds = np.concatenate(([0], np.cumsum([n.slots for n in ordered]))).tolist()

@@ -64,10 +64,10 @@ def test_an_expert_without_a_surviving_replica_restores_the_checkpoint():
 
 
 def test_pairs_of_losses_restore_exactly_as_often_as_mro_predicts():
-    # Skewed load: the three cold experts get exactly f=2 replicas, the hot one six.
+    # Skewed load: some cold experts keep exactly f=2 replicas, so some pairs are fatal.
     loads = [[1, 1, 1, 9]] * 2
     held = plan_job(nodes(*[f"n{i}" for i in range(6)], slots=2), 4, 2, 2, loads=loads)
-    assert held.layers[0].replicas == (2, 2, 2, 6)
+    assert min(held.layers[0].replicas) == 2
     pairs = list(itertools.combinations(sorted(names_of(held)), 2))
     restores = []
     for pair in pairs:

@@ -85,17 +85,21 @@ def test_malformed_loads_file(tmp_path):
     assert out.returncode == 2 and "--loads" in out.stderr
 
 
-def test_recovery_first_keeps_the_fatal_pairs_that_balance_trades(tmp_path):
-    # The paper's setting with each layer's hot expert rotated (bench_solver.py): ranks
-    # within 5% of the mean need a third fatal pair of nodes, which the paper's MRO has too
-    # (0.933 with 2 nodes lost); --recovery-first keeps two (0.956).
+def test_the_papers_setting_keeps_its_best_recovery_with_balanced_ranks(tmp_path):
+    # The paper's setting with each layer's hot expert rotated (bench_solver.py). With the
+    # formula's counts, surviving all but two node pairs holds the busiest rank at 1.06
+    # times the mean (docs/placement.md); with counts traded in the fill, both.
+    load = [[1 / ((e + l) % 16 + 1) for e in range(16)] for l in range(12)]
     loads = tmp_path / "loads.json"
-    loads.write_text(json.dumps([[1 / ((e + l) % 16 + 1) for e in range(16)]
-                                 for l in range(12)]))
-    args = ["plan", "--nodes", "10", "--slots", "6", "--experts", "16", "--layers", "12",
-            "--loads", str(loads), "--failures", "2", "--json"]
-    balanced, recovery_first = lazarus(*args), lazarus(*args, "--recovery-first")
-    assert balanced.returncode == 0 and recovery_first.returncode == 0, balanced.stderr
-    pairs = [round((1 - json.loads(out.stdout)["recovery"]["2"]) * 45)
-             for out in (balanced, recovery_first)]
-    assert pairs == [3, 2]
+    loads.write_text(json.dumps(load))
+    out = lazarus("plan", "--nodes", "10", "--slots", "6", "--experts", "16", "--layers", "12",
+                  "--loads", str(loads), "--failures", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert round((1 - plan["recovery"]["2"]) * 45) == 2
+    worst = 0.0
+    for layer, replicas, placement in zip(load, plan["replicas"], plan["placement"]):
+        assert min(replicas) >= 2 and sum(replicas) == 60
+        per_node = [sum(layer[e] / replicas[e] for e in slots) for slots in placement]
+        worst = max(worst, max(per_node) / (sum(per_node) / len(per_node)))
+    assert worst <= 1.05

@@ -1,0 +1,210 @@
+"""Replica counts traded inside one layer's fill, where swaps alone leave a rank too busy.
+
+The fill (``balance.py``) places a layer's replicas with the counts the allocation gave:
+every replica of expert e carries t_e / r_e, and only where replicas sit is searched. On a
+few nodes with few slots that is often not enough: the issue-18 example (4 nodes x 3 slots,
+4 experts, zipf 0.5) places counts (5, 3, 2, 2) at best 1.11 times the mean with its best
+recovery, while counts (3, 3, 4, 2) recover as well and reach 1.045. So here a free replica
+may also become a replica of another expert: r_a - 1 for the expert it was, r_b + 1 for the
+one it becomes, and every replica of both re-weighed.
+
+What never changes: anchored replicas (and, on a re-plan, the replicas a node keeps) stay
+the expert they are, on their node, so every expert's node set still contains its core and
+recovery does not drop at any failure count (``anchors.py``). No expert goes below
+``min_replicas``, and no rank gets a second replica of an expert it holds (it would carry
+that expert's share twice and add nothing).
+
+The search: best improvement over retargeting one free replica and swapping two replicas
+between ranks, moves that involve the busiest ranks only (nothing else lowers the busiest),
+ranked by the busiest rank's load, then by the sum of squared rank loads (which lets ties
+at the top come apart), until no move lowers them or the busiest rank is within ``enough``
+of the mean. Where it stops short, it starts again from each of the ``KICKS`` least bad
+moves and keeps what ends best (a single move often has to make the busiest rank worse
+before a second one brings it below where it was).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Work one trade may do, in rank loads computed (a retarget costs a row of them, a swap
+# one), over all its climbs; and rows computed at once (memory).
+MAX_EVALUATIONS = 2_000_000
+CHUNK = 1 << 18
+# Ranks whose slots are tried in each round, busiest first.
+TOP_RANKS = 4
+# Restarts from the least bad moves where a climb stops above ``enough``.
+KICKS = 8
+_EPS = 1e-12
+
+
+@dataclass
+class _Layer:
+    """What stays fixed while one layer trades."""
+
+    rank_of_slot: np.ndarray
+    rank_node: np.ndarray
+    loads: np.ndarray
+    per_slot: np.ndarray  # 1 / slots of each rank
+    min_replicas: int
+    target: float  # the busiest rank's load per slot that is enough
+    budget: int = MAX_EVALUATIONS
+
+
+def trade_counts(experts: np.ndarray, rank_of_slot: np.ndarray, rank_node: np.ndarray,
+                 home: np.ndarray, loads: np.ndarray, rank_slots: np.ndarray,
+                 min_replicas: int, enough: float) -> np.ndarray:
+    """The layer's experts per slot after trading (a copy; the slots keep their ranks).
+
+    ``experts[s]`` is the expert in slot s, on rank ``rank_of_slot[s]`` of node
+    ``rank_node[rank]``; ``home[s]`` is the node the replica in slot s must stay on (-1:
+    free to move and to become another expert); ``loads[e]`` is t_e; ``rank_slots[k]`` the
+    slots of rank k (loads are compared per slot, as the fill does).
+    """
+    t = np.asarray(loads, dtype=np.float64)
+    layer = _Layer(np.asarray(rank_of_slot), np.asarray(rank_node), t,
+                   1.0 / np.asarray(rank_slots, dtype=np.float64), min_replicas,
+                   enough * t.sum() / np.asarray(rank_slots).sum())
+    x = np.array(experts, dtype=np.int64)
+    pinned = np.array(home, dtype=np.int64)
+    best = _climb(layer, x, pinned)
+    if best[0][0] > layer.target:
+        # Restarts from the least bad moves of where the climb stopped.
+        stuck_x, stuck_pinned = best[1], best[2]
+        for move in _ranked_moves(layer, stuck_x, stuck_pinned)[:KICKS]:
+            x, pinned = stuck_x.copy(), stuck_pinned.copy()
+            _apply(move, x, pinned)
+            result = _climb(layer, x, pinned)
+            if result[0] < best[0]:
+                best = result
+            if best[0][0] <= layer.target or layer.budget <= 0:
+                break
+    return best[1]
+
+
+def _climb(layer: _Layer, x: np.ndarray, pinned: np.ndarray):
+    """Best improvement from (x, pinned), in place: ((busiest, sum of squares), x, pinned)."""
+    score = _score(_loads(layer, x))
+    while score[0] > layer.target and layer.budget > 0:
+        moves = _ranked_moves(layer, x, pinned, limit=1)
+        if not moves or not _better(moves[0][0], score):
+            break
+        score = moves[0][0]
+        _apply(moves[0], x, pinned)
+    return score, x, pinned
+
+
+def _better(a, b) -> bool:
+    return a[0] < b[0] - _EPS or (a[0] <= b[0] + _EPS and a[1] < b[1] - _EPS)
+
+
+def _score(load: np.ndarray) -> tuple[float, float]:
+    return float(load.max()), float(load @ load)
+
+
+def _loads(layer: _Layer, x: np.ndarray) -> np.ndarray:
+    r = np.bincount(x, minlength=len(layer.loads))
+    w = np.divide(layer.loads, r, out=np.zeros_like(layer.loads), where=r > 0)
+    return np.bincount(layer.rank_of_slot, weights=w[x],
+                       minlength=len(layer.rank_node)) * layer.per_slot
+
+
+def _ranked_moves(layer: _Layer, x: np.ndarray, pinned: np.ndarray, limit: int | None = None):
+    """Every move worth trying from (x, pinned), best first: (score, kind, p, q), kind 0
+    retargets slot p to expert q, kind 1 swaps slots p and q."""
+    num_ranks, num_experts = len(layer.rank_node), len(layer.loads)
+    r = np.bincount(x, minlength=num_experts)
+    n = np.zeros((num_ranks, num_experts), dtype=np.int64)
+    np.add.at(n, (layer.rank_of_slot, x), 1)
+    w = np.divide(layer.loads, r, out=np.zeros_like(layer.loads), where=r > 0)
+    load = (n @ w) * layer.per_slot
+    busy = np.argsort(-load, kind="stable")[:TOP_RANKS]
+    found = []
+    for kind, (top, squares, p, q) in enumerate((
+            _retargets(layer, x, pinned, n, r, w, load, busy),
+            _swaps(layer, x, pinned, n, w, load, busy))):
+        if not len(p):
+            continue
+        order = np.lexsort((squares, top))[:limit]
+        found += [((float(top[i]), float(squares[i])), kind, int(p[i]), int(q[i]))
+                  for i in order]
+    found.sort(key=lambda m: m[0])
+    return found[:limit]
+
+
+def _apply(move, x: np.ndarray, pinned: np.ndarray) -> None:
+    _, kind, p, q = move
+    if kind == 0:
+        x[p] = q
+    else:
+        x[p], x[q] = x[q], x[p]
+        pinned[p], pinned[q] = pinned[q], pinned[p]
+
+
+def _retargets(layer, x, pinned, n, r, w, load, busy):
+    """Free replicas that become another expert: on a busy rank (it sheds its weight), or
+    anywhere when the new expert is on a busy rank (its replicas there get lighter). As
+    (busiest rank after, sum of squares after, slot, expert) arrays; every rank that holds
+    either expert changes, so each move costs a row of rank loads, in chunks."""
+    none = np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    free = np.flatnonzero((pinned < 0) & (r[x] > layer.min_replicas))
+    if not len(free):
+        return none
+    # One source per distinct (rank, expert): its slots are interchangeable.
+    _, first = np.unique(layer.rank_of_slot[free] * len(w) + x[free], return_index=True)
+    slots = free[first]
+    wanted = np.flatnonzero(n[busy].sum(axis=0) > 0)
+    every = np.arange(len(w))
+    targets = [every if layer.rank_of_slot[s] in busy else wanted for s in slots]
+    p = np.repeat(slots, [len(g) for g in targets])
+    q = np.concatenate(targets)
+    k, a = layer.rank_of_slot[p], x[p]
+    ok = (a != q) & (n[k, q] == 0)
+    p, q, k, a = p[ok], q[ok], k[ok], a[ok]
+    num_ranks = len(load)
+    affordable = max(layer.budget // num_ranks, 0)
+    p, q, k, a = p[:affordable], q[:affordable], k[:affordable], a[:affordable]
+    if not len(p):
+        return none
+    layer.budget -= len(p) * num_ranks
+    wa = layer.loads[a] / (r[a] - 1)
+    wb = layer.loads[q] / (r[q] + 1)
+    top, squares = np.empty(len(p)), np.empty(len(p))
+    chunk = max(1, CHUNK // num_ranks)
+    for start in range(0, len(p), chunk):
+        sl = slice(start, start + chunk)
+        after = load[None, :] + (n[:, a[sl]].T * (wa[sl] - w[a[sl]])[:, None]
+                                 + n[:, q[sl]].T * (wb[sl] - w[q[sl]])[:, None]
+                                 ) * layer.per_slot[None, :]
+        after[np.arange(len(after)), k[sl]] += (wb[sl] - wa[sl]) * layer.per_slot[k[sl]]
+        top[sl], squares[sl] = after.max(axis=1), (after * after).sum(axis=1)
+    return top, squares, p, q
+
+
+def _swaps(layer, x, pinned, n, w, load, busy):
+    """Two replicas of different experts on different ranks trade places; a pinned one
+    only within its node, and neither lands on a rank that holds its expert already. Only
+    two ranks change, so each move is scored from the three busiest ranks and the sum of
+    squares as they are."""
+    src = np.flatnonzero(np.isin(layer.rank_of_slot, busy))
+    p = np.repeat(src, len(x))
+    q = np.tile(np.arange(len(x)), len(src))
+    k1, k2 = layer.rank_of_slot[p], layer.rank_of_slot[q]
+    e1, e2 = x[p], x[q]
+    node = layer.rank_node
+    ok = (k1 != k2) & (e1 != e2) & (n[k2, e1] == 0) & (n[k1, e2] == 0)
+    ok &= ((pinned[p] < 0) | (pinned[p] == node[k2])) & ((pinned[q] < 0) | (pinned[q] == node[k1]))
+    p, q, k1, k2, e1, e2 = p[ok], q[ok], k1[ok], k2[ok], e1[ok], e2[ok]
+    layer.budget -= len(p)
+    d = w[e1] - w[e2]
+    new1 = load[k1] - d * layer.per_slot[k1]
+    new2 = load[k2] + d * layer.per_slot[k2]
+    # The busiest of the other ranks: the first of the three busiest that is neither.
+    three = np.argsort(-load, kind="stable")[:3]
+    rest = np.full(len(p), -np.inf)
+    for t in three[::-1]:
+        rest = np.where((k1 != t) & (k2 != t), load[t], rest)
+    top = np.maximum(rest, np.maximum(new1, new2))
+    squares = float(load @ load) - load[k1] ** 2 - load[k2] ** 2 + new1 ** 2 + new2 ** 2
+    return top, squares, p, q

@@ -1,0 +1,77 @@
+"""Replica counts traded inside a layer's fill (lazarus_core.count_trading): what may change,
+what never does, and that it lowers the busiest rank where swaps alone cannot."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lazarus_core.count_trading import trade_counts
+
+
+def rank_loads(experts, rank_of_slot, loads, num_ranks):
+    counts = np.bincount(experts, minlength=len(loads))
+    per_replica = np.asarray(loads, dtype=float) / np.maximum(counts, 1)
+    return np.bincount(rank_of_slot, weights=per_replica[experts], minlength=num_ranks)
+
+
+def trade(experts, ranks, loads, home=None, min_replicas=1, rank_node=None):
+    experts, ranks = np.asarray(experts), np.asarray(ranks)
+    num_ranks = int(ranks.max()) + 1
+    home = np.full(len(experts), -1) if home is None else np.asarray(home)
+    rank_node = np.arange(num_ranks) if rank_node is None else np.asarray(rank_node)
+    slots = np.bincount(ranks, minlength=num_ranks)
+    return trade_counts(experts, ranks, rank_node, home, np.asarray(loads, dtype=float),
+                        slots, min_replicas, 1.0)
+
+
+def test_a_replica_of_a_light_expert_becomes_one_of_the_hot_expert():
+    # Three ranks of one slot: A (load 3) on one, B (load 1) on two. No swap helps (every
+    # rank holds one replica); a second replica of A halves the busiest rank.
+    out = trade([0, 1, 1], [0, 1, 2], [3.0, 1.0])
+    assert sorted(np.bincount(out, minlength=2)) == [1, 2]
+    assert rank_loads(out, np.arange(3), [3.0, 1.0], 3).max() == 1.5
+
+
+def test_nothing_goes_below_min_replicas():
+    out = trade([0, 1, 1], [0, 1, 2], [3.0, 1.0], min_replicas=2)
+    assert out.tolist() == [0, 1, 1]
+
+
+def test_pinned_replicas_keep_their_expert_and_node():
+    # Both of B's replicas are pinned (anchors): B cannot give one up.
+    out = trade([0, 1, 1], [0, 1, 2], [3.0, 1.0], home=[-1, 1, 2])
+    assert out.tolist() == [0, 1, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_every_trade_keeps_the_invariants(data):
+    num_ranks = data.draw(st.integers(2, 6))
+    per_rank = data.draw(st.integers(1, 3))
+    num_experts = data.draw(st.integers(per_rank, per_rank + 4))
+    ranks = np.repeat(np.arange(num_ranks), per_rank)
+    # A rank holds distinct experts, as the fill leaves them.
+    experts = np.concatenate([data.draw(st.permutations(range(num_experts)))[:per_rank]
+                              for _ in range(num_ranks)])
+    loads = data.draw(st.lists(st.floats(0.01, 10), min_size=num_experts,
+                               max_size=num_experts))
+    nodes = data.draw(st.integers(1, num_ranks))
+    rank_node = np.arange(num_ranks) % nodes
+    pinned = data.draw(st.lists(st.booleans(), min_size=len(experts), max_size=len(experts)))
+    home = np.where(pinned, rank_node[ranks], -1)
+    counts = np.bincount(experts, minlength=num_experts)
+    floor = int(counts[counts > 0].min())
+    out = trade(experts, ranks, loads, home, floor, rank_node)
+    after = np.bincount(out, minlength=num_experts)
+    assert len(out) == len(experts)
+    assert (after[counts >= floor] >= floor).all()
+    # A pinned replica's expert stays on its node: as many of it there as were pinned.
+    for node in range(nodes):
+        on = rank_node[ranks] == node
+        need = np.bincount(experts[on & np.asarray(pinned)], minlength=num_experts)
+        have = np.bincount(out[on], minlength=num_experts)
+        assert (have >= need).all()
+    # No rank holds an expert twice, and the busiest rank is never busier than before.
+    for k in range(num_ranks):
+        assert len(set(out[ranks == k])) == per_rank
+    before = rank_loads(experts, ranks, loads, num_ranks).max()
+    assert rank_loads(out, ranks, loads, num_ranks).max() <= before + 1e-9
