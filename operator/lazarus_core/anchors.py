@@ -37,18 +37,22 @@ class LayerAnchors:
 
 
 def anchored_replicas(layers: Sequence[LayerAnchors]) -> np.ndarray:
-    """One row (layer, node, expert) per anchored replica of every layer."""
-    cores = [c for a in layers for c in a.cores]
-    distinct, which = np.unique(np.array(cores, dtype=object), return_inverse=True)
-    n = max((int(c).bit_length() for c in distinct), default=0)
-    width = (n + 7) // 8
-    bits = np.zeros((len(distinct), n), dtype=bool)
-    for row, core in enumerate(distinct.tolist()):
-        packed = np.frombuffer(core.to_bytes(width, "little"), dtype=np.uint8)
-        bits[row] = np.unpackbits(packed, bitorder="little")[:n]
-    pair, node = np.nonzero(bits[which])  # pair = layer * experts + expert
+    """One row (layer, node, expert) per anchored replica of every layer, in (layer, expert,
+    node) order."""
     experts = len(layers[0].cores) if layers else 1
-    return np.column_stack((pair // experts, node, pair % experts)).astype(np.int64)
+    index: dict[int, int] = {}
+    which = np.array([index.setdefault(c, len(index)) for a in layers for c in a.cores],
+                     dtype=np.int64)
+    # Each distinct core's nodes, padded with -1 to the widest: one gather for all pairs
+    # (a boolean [pair, node] matrix is most of a re-plan's anchors at 1,024 GPUs).
+    members = [nodes_of(c) for c in index]
+    width = max((len(m) for m in members), default=0)
+    table = np.full((len(members), max(width, 1)), -1, dtype=np.int64)
+    for row, m in enumerate(members):
+        table[row, :len(m)] = m
+    nodes = table[which]  # [pair, node slot]
+    pair, slot = np.nonzero(nodes >= 0)  # pair = layer * experts + expert
+    return np.column_stack((pair // experts, nodes[pair, slot], pair % experts))
 
 
 def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]],

@@ -139,15 +139,19 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
                   enough)
     order = np.argsort(all_ranks, kind="stable")
     placed = all_experts[order].reshape(num_layers, -1)
+    if not trade:
+        return placed
     # 5. Layers still out of balance trade replica counts (count_trading.py).
     per_slot = (load / rank_slots).reshape(num_layers, num_ranks)
     mean = load.reshape(num_layers, num_ranks).sum(axis=1) / rank_slots[:num_ranks].sum()
-    rank_of_slot = np.repeat(np.arange(num_ranks), rank_slots[:num_ranks])
-    final_home = home[order].reshape(num_layers, -1)
-    for li in np.flatnonzero(trade & (per_slot.max(axis=1) > BALANCE_TARGET * mean)):
-        placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
-                                  final_home[li], w[li] * r[li], rank_slots[:num_ranks],
-                                  int(r[li].min()), BALANCED_ENOUGH)
+    over = np.flatnonzero(per_slot.max(axis=1) > BALANCE_TARGET * mean)
+    if len(over):
+        rank_of_slot = np.repeat(np.arange(num_ranks), rank_slots[:num_ranks])
+        final_home = home[order].reshape(num_layers, -1)
+        for li in over:
+            placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
+                                      final_home[li], w[li] * r[li], rank_slots[:num_ranks],
+                                      int(r[li].min()), BALANCED_ENOUGH)
     return placed
 
 
@@ -181,8 +185,10 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
     """
     num_layers = len(load) // num_ranks
     width = slot_of.shape[1]
-    padded_w = np.append(weights, np.nan)
-    padded_home = np.append(home, -2)
+    if (slot_of < 0).any():  # ranks of different sizes: a sentinel for the empty slots
+        padded_w, padded_home = np.append(weights, np.nan), np.append(home, -2)
+    else:
+        padded_w, padded_home = weights, home
     layer_slots = rank_slots.reshape(num_layers, num_ranks).sum(axis=1)
     half = num_ranks // 2
     pairs = min(half, MAX_PAIRS)
@@ -202,10 +208,12 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
             top > enough * mean)
         if not active.any():
             return
-        by_load = np.argsort(per_slot, axis=1, kind="stable")
-        heavy = (by_load[:, ::-1][:, :pairs] + base)
-        light = (by_load[:, (np.arange(pairs) + t) % half] + base)
-        busy = (per_slot.ravel()[heavy] > (enough * mean)[:, None]) & active[:, None]
+        # Only the layers still at work are sorted (most stop within a few rounds).
+        at_work = np.flatnonzero(active)
+        by_load = np.argsort(per_slot[at_work], axis=1, kind="stable")
+        heavy = (by_load[:, ::-1][:, :pairs] + base[at_work])
+        light = (by_load[:, (np.arange(pairs) + t) % half] + base[at_work])
+        busy = per_slot.ravel()[heavy] > (enough * mean[at_work])[:, None]
         heavy, light = heavy[busy], light[busy]
         xh, xl = slot_of[heavy], slot_of[light]
         d = padded_w[xh][:, :, None] - padded_w[xl][:, None, :]

@@ -175,6 +175,13 @@ class _Shape:
         self.k = scored_failures(len(slots))
         self.largest = largest_core(len(slots))
         self.templates: dict[tuple[int, int], LayerAnchors] = {}  # see ``structure_of``
+        self.weights: dict[int, tuple] = {}  # variant -> ``weighed``
+
+    def weighed_variant(self, index: int):
+        """``weighed`` of variant ``index`` (computed once)."""
+        if index not in self.weights:
+            self.weights[index] = self.weighed(self.variants[index])
+        return self.weights[index]
 
     def weighed(self, replicas):
         """Per-replica loads, and the most fragile layer (fewest replicas, coldest first)."""
@@ -206,7 +213,7 @@ class _Shape:
         if key not in self.templates:
             index, sharing = key
             replicas = self.variants[index]
-            weights, probe = self.weighed(replicas)
+            weights, probe = self.weighed_variant(index)
             if sharing:
                 anchors = anchor_greedily(replicas[probe], weights[probe], [], self.slots,
                                           self.largest, sharing)
@@ -221,7 +228,7 @@ class _Shape:
         """Option ``key`` for ``_choose``, and whether its fill trades counts (with
         ``trade``)."""
         replicas = self.variants[key[0]]
-        weights, probe = self.weighed(replicas)
+        weights, probe = self.weighed_variant(key[0])
         template = self.structure_of(key)
         counts, balance = self.filled(template, probe, trade)
         return ((cores_key(template, len(self.slots), self.k), 0, balance,
@@ -235,7 +242,7 @@ class _Shape:
         by load rank (so that every layer takes its anchors). Their indexes, the first one
         what the fill ends at (a variant already there keeps its index)."""
         replicas = self.variants[key[0]]
-        weights, probe = self.weighed(replicas)
+        weights, probe = self.weighed_variant(key[0])
         anchors = align(replicas, self.structure_of(key), self.slots, weights, weights[probe],
                         self.largest)
         placed = place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,

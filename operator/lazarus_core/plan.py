@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -98,14 +99,22 @@ class LayerPlan:
     placement: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def from_slots(cls, replicas: Sequence[int], slots: np.ndarray,
-                   sizes: Sequence[int]) -> "LayerPlan":
-        """A layer from every node's slots as one array (node order, ``sizes`` slots each),
-        as the solver fills them. The array is kept as ``flat``: a million slots converted
-        back from tuples cost a re-plan at 1,024 GPUs a tenth of its time."""
-        layer = cls(tuple(replicas), tuple(map(tuple, split_slots(slots, sizes))))
-        layer.__dict__["flat"] = np.asarray(slots, dtype=np.int64)  # cached_property's slot
-        return layer
+    def from_slots(cls, replicas: Sequence[Sequence[int]], slots: np.ndarray,
+                   sizes: Sequence[int]) -> tuple["LayerPlan", ...]:
+        """Layers from every node's slots as one [layer, slot] array (node order, ``sizes``
+        slots each), as the solver fills them. Each keeps its row as ``flat`` and its
+        counts, computed for all layers at once: a million slots converted back from
+        tuples, or counted a layer at a time, cost a re-plan at 1,024 GPUs a tenth of its
+        time each."""
+        slots = np.asarray(slots, dtype=np.int64)
+        batch = _Counts(slots, sizes, len(replicas[0]) if len(replicas) else 0)
+        layers = []
+        for li, (r, row) in enumerate(zip(replicas, slots)):
+            layer = cls(tuple(r), tuple(map(tuple, split_slots(row, sizes))))
+            layer.__dict__["flat"] = row  # cached_property's slot
+            layer.__dict__["_batch"] = (batch, li)
+            layers.append(layer)
+        return tuple(layers)
 
     @cached_property
     def flat(self) -> np.ndarray:
@@ -114,7 +123,11 @@ class LayerPlan:
 
     @cached_property
     def counts(self) -> np.ndarray:
-        """[node, expert]: replicas of each expert on each node (computed once)."""
+        """[node, expert]: replicas of each expert on each node (computed once; for every
+        layer at once, for layers made together by ``from_slots``)."""
+        if "_batch" in self.__dict__:
+            batch, li = self.__dict__["_batch"]
+            return batch.counts[li]
         return _counts(self.flat, [len(p) for p in self.placement], len(self.replicas))
 
 
@@ -140,6 +153,23 @@ def replica_counts(placement: Sequence[Sequence[int]], num_experts: int | None =
     """[node, expert]: how many replicas of the expert the node holds (as many experts as
     the highest id present needs, when ``num_experts`` is not given)."""
     return _counts(_flat(placement), [len(p) for p in placement], num_experts)
+
+
+class _Counts:
+    """``LayerPlan.counts`` of layers made together, computed at once when first needed."""
+
+    def __init__(self, slots: np.ndarray, sizes: Sequence[int], experts: int):
+        self.slots, self.sizes, self.experts = slots, sizes, experts
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """[layer, node, expert]."""
+        num_layers, num_nodes = len(self.slots), len(self.sizes)
+        rows = np.repeat(np.arange(num_nodes), self.sizes)
+        offsets = (np.arange(num_layers)[:, None] * num_nodes + rows[None, :]) * self.experts
+        return np.bincount((offsets + self.slots).ravel(),
+                           minlength=num_layers * num_nodes * self.experts).reshape(
+                               num_layers, num_nodes, self.experts)
 
 
 def _counts(flat: np.ndarray, sizes: Sequence[int], num_experts: int | None) -> np.ndarray:
@@ -210,10 +240,15 @@ class Plan:
                          for l, placed in zip(self.layers, layers)))
 
     def node_index(self, name: str) -> int:
-        for i, node in enumerate(self.nodes):
-            if node.name == name:
-                return i
-        raise KeyError(f"node {name!r} is not in plan generation {self.generation}")
+        try:
+            return self._node_indexes[name]
+        except KeyError:
+            raise KeyError(f"node {name!r} is not in plan generation {self.generation}"
+                           ) from None
+
+    @cached_property
+    def _node_indexes(self) -> dict[str, int]:
+        return {node.name: i for i, node in enumerate(self.nodes)}
 
     # --- serialisation -------------------------------------------------------------------
 
@@ -289,10 +324,10 @@ class Plan:
         return cls.from_dict(d)
 
 
-@dataclass(frozen=True)
-class Transfer:
+class Transfer(NamedTuple):
     """One expert replica's state (weights and optimizer moments) sent from a node that
-    holds it to a node of the new plan that lacks it."""
+    holds it to a node of the new plan that lacks it. (A named tuple: a re-plan at 1,024
+    GPUs makes thousands, and a frozen dataclass costs three times as much to build.)"""
 
     layer: int
     expert: int

@@ -125,8 +125,7 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
         rank += n.gpus
     if isinstance(placements, np.ndarray):
         sizes = [n.slots for n in ordered]
-        layers = tuple(LayerPlan.from_slots(r, row, sizes)
-                       for r, row in zip(replicas, placements))
+        layers = LayerPlan.from_slots(replicas, placements, sizes)
     else:
         layers = tuple(LayerPlan(tuple(r), tuple(tuple(s) for s in p))
                        for r, p in zip(replicas, placements))

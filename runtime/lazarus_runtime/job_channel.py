@@ -156,7 +156,7 @@ class Directive:
         return json.dumps({
             "plan": self.plan.to_dict(),
             "start_step": self.start_step,
-            "transfers": [asdict(t) for t in self.transfers],
+            "transfers": [t._asdict() for t in self.transfers],
             "draining": list(self.draining),
             "restore_step": self.restore_step,
             "joiners": list(self.joiners),
