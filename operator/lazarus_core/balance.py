@@ -147,7 +147,9 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     over = np.flatnonzero(per_slot.max(axis=1) > BALANCE_TARGET * mean)
     if len(over):
         rank_of_slot = np.repeat(np.arange(num_ranks), rank_slots[:num_ranks])
-        final_home = home[order].reshape(num_layers, -1)
+        # Anchors and, on a re-plan, kept replicas stay what they are: a kept replica
+        # traded away is one more transfer.
+        final_home = homes[0][0][order].reshape(num_layers, -1)
         for li in over:
             placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
                                       final_home[li], w[li] * r[li], rank_slots[:num_ranks],

@@ -41,7 +41,7 @@ _EPS = 1e-12
 
 @dataclass
 class _Layer:
-    """What stays fixed while one layer trades."""
+    """One layer's trade: what stays fixed, and the work it has left (``budget``)."""
 
     rank_of_slot: np.ndarray
     rank_node: np.ndarray
@@ -72,7 +72,7 @@ def trade_counts(experts: np.ndarray, rank_of_slot: np.ndarray, rank_node: np.nd
     if best[0][0] > layer.target:
         # Restarts from the least bad moves of where the climb stopped.
         stuck_x, stuck_pinned = best[1], best[2]
-        for move in _ranked_moves(layer, stuck_x, stuck_pinned)[:KICKS]:
+        for move in _ranked_moves(layer, stuck_x, stuck_pinned, limit=KICKS):
             x, pinned = stuck_x.copy(), stuck_pinned.copy()
             _apply(move, x, pinned)
             result = _climb(layer, x, pinned)
