@@ -23,7 +23,8 @@ import argparse
 import statistics
 import time
 
-from bench_solver import eplb_layout, imbalance
+from bench_solver import eplb_layout
+from lazarus_core.balance import busiest_rank
 from lazarus_core.anchor_search import _group_sizes, scored_failures
 from lazarus_core.placement import Grouping, compact, nested_groups, spread
 from lazarus_core.recovery import fatal_counts, recovery_probability
@@ -113,7 +114,7 @@ def main():
         seconds.append(time.process_time() - start)
         plans = {"lazarus": ours, "paper's MRO": papers_mro(nodes, lo, experts),
                  "EPLB-style": eplb(nodes, lo, experts)}
-        row = {name: (imbalance(p, lo), recovery(p)) for name, p in plans.items()}
+        row = {name: (busiest_rank(p, lo), recovery(p)) for name, p in plans.items()}
         rows.append(((n, c, experts, skew), row))
         if args.detail:
             print(f"N={n:<2} c={c} E={experts:<2} zipf {skew}: " + "; ".join(

@@ -37,6 +37,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+from lazarus_core.balance import busiest_rank  # noqa: E402
 from lazarus_core.migration import holdings, plan_transfers  # noqa: E402
 from lazarus_core.anchor_search import best_anchors, cores_key, scored_failures  # noqa: E402
 from lazarus_core.mro import per_replica  # noqa: E402
@@ -126,19 +127,6 @@ def peak_mb(fn) -> float:
     return peak / 2**20
 
 
-def imbalance(plan: Plan, layer_loads) -> float:
-    """Worst layer's max/mean expert load per rank (Algorithm 1 fills each replica equally)."""
-    worst = 0.0
-    for li, layer in enumerate(plan.layers):
-        w = np.asarray(layer_loads[li]) / np.asarray(layer.replicas)
-        per_rank = []
-        for node, slots in zip(plan.nodes, layer.placement):
-            c = node.slots_per_rank
-            per_rank += [w[list(slots[r * c:(r + 1) * c])].sum() for r in range(len(node.ranks))]
-        worst = max(worst, max(per_rank) / statistics.mean(per_rank))
-    return worst
-
-
 def recovery(plan: Plan, k: int) -> float:
     return recovery_probability([[list(s) for s in l.placement] for l in plan.layers],
                                 k).probability
@@ -156,7 +144,7 @@ def run_case(name, cfg, repeats, draws):
             (name, "plan, peak memory (MB)",
              peak_mb(lambda: plan_job(nodes, E, L, MIN_REPLICAS, "mro", lo, max_failures=0)),
              peak_mb(lambda: eplb_plan(nodes, lo, E, 1, "Initial"))),
-            (name, "max/mean load per rank", imbalance(plan, lo), imbalance(baseline, lo))]
+            (name, "max/mean load per rank", busiest_rank(plan, lo), busiest_rank(baseline, lo))]
     for k in (2, LOST):
         rows.append((name, f"recovery, {k} nodes lost", recovery(plan, k), recovery(baseline, k)))
     rows.append((name, "published plan (KiB)", len(plan.to_compact_json()) / 1024,
@@ -187,7 +175,7 @@ def run_case(name, cfg, repeats, draws):
         unrecoverable[0] += not result.migration.recoverable
         unrecoverable[1] += not base_result.recoverable
         held.append(sum(len(es) for n in gone for es in holdings(plan)[n]))
-        after_imbalance.append(imbalance(result.plan, lo))
+        after_imbalance.append(busiest_rank(result.plan, lo))
     rows += [
         (name, f"replicas moved after losing {LOST} nodes", statistics.mean(moved),
          statistics.mean(base_moved)),

@@ -301,6 +301,24 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
     return np.clip(limit - (before - start), 0, amount)
 
 
+def busiest_rank(plan, loads: Sequence[Sequence[float]]) -> float:
+    """The worst layer's busiest rank over its mean rank, under ``loads[l][e]`` (each
+    replica of e carries t_e / r_e): what a plan's step time answers to. 1.0 is perfect."""
+    ranks = np.concatenate([np.repeat(np.arange(len(n.ranks)) + n.ranks[0]
+                                      if n.ranks else np.zeros(0, dtype=np.int64),
+                                      n.slots_per_rank) for n in plan.nodes]).astype(np.int64)
+    worst = 1.0
+    for layer, t in zip(plan.layers, loads):
+        t = np.asarray(t, dtype=np.float64)
+        if t.sum() <= 0:
+            continue
+        r = np.asarray(layer.replicas, dtype=np.float64)
+        w = np.divide(t, r, out=np.zeros_like(t), where=r > 0)
+        per_rank = np.bincount(ranks, weights=w[layer.flat], minlength=plan.world_size)
+        worst = max(worst, float(per_rank.max() / per_rank.mean()))
+    return worst
+
+
 def rank_loads(placement: Placement, weights: Sequence[float],
                slots_per_rank: Sequence[int]) -> list[float]:
     """Expert work per rank, rank by rank in node order."""

@@ -95,7 +95,8 @@ class JobSpec:
     min_replicas: int
     policy: str
     rebalance_every_steps: int  # 0 turns rebalancing off
-    # Rebalance only if the measured max/mean load imbalance improves by this many percent.
+    # Rebalance only if the busiest rank's measured load over the mean improves by this
+    # many percent (controller.transitions._rebalance).
     rebalance_min_gain_percent: int
     checkpoint: CheckpointSpec | None
     spot_notice_taints: tuple[str, ...] = DEFAULT_SPOT_NOTICE_TAINTS

@@ -215,10 +215,13 @@ def report_progress(jobs, job: str, progress: Progress) -> None:
 
 
 def test_progress_reports_drive_the_step_and_rebalancing(cluster, operator, jobs, scratch_nodes):
-    # 2 nodes x 8 slots for 4 experts with f=2: room for replicas to follow the load.
-    started(jobs, scratch_nodes, "steps", nodes=2, zones=1, maxNodes=2, replicas=2,
-            slotsPerGpu=8, rebalanceEverySteps=10, rebalanceMinGainPercent=10)
-    wait_until(lambda: len(jobs.plan_nodes("steps")) == 2, timeout=20, what="2 nodes in the plan")
+    # 6 nodes x 3 slots for 4 experts with f=2: no node holds every expert, so skewed loads
+    # show on the ranks (1.32 times the mean), and there is room for replicas to follow
+    # them (1.05). With every expert on every node the ranks stay equal under any loads,
+    # and nothing is worth a rebalance.
+    started(jobs, scratch_nodes, "steps", nodes=6, zones=2, maxNodes=6, replicas=6,
+            slotsPerGpu=3, rebalanceEverySteps=10, rebalanceMinGainPercent=10)
+    wait_until(lambda: len(jobs.plan_nodes("steps")) == 6, timeout=20, what="6 nodes in the plan")
     report_progress(jobs, "steps", Progress(step=5, generation=1, checkpoint_step=5,
                                             loads=((10, 10, 10, 10), (10, 10, 10, 10))))
     wait_until(lambda: jobs.status("steps").get("step") == 5, timeout=10, what="status.step = 5")

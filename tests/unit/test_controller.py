@@ -3,10 +3,12 @@ measured facts (replicas moved, checkpoints restored) it reports. What moves and
 checkpoint is restored is decided by the coordinator: tests/unit/test_handover.py."""
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lazarus_core import controller as c
+from lazarus_core.balance import busiest_rank
 from lazarus_core.job_spec import parse_spec
 from lazarus_core.plan import violations
 from lazarus_core.topology import NodeSpec
@@ -115,19 +117,36 @@ def test_scale_down_drops_spot_nodes_first_and_releases_their_workers():
 
 
 def test_rebalance_only_when_the_gain_is_worth_it():
-    spec = job(replicas=4, maxNodes=4, rebalanceEverySteps=10, rebalanceMinGainPercent=10)
-    state = started(spec)
-    skewed = ((100, 10, 10, 10), (10, 10, 10, 100))
+    # Three slots per node for four experts: each node lacks one, so skew shows on ranks.
+    spec = job(replicas=6, maxNodes=6, slotsPerGpu=3, rebalanceEverySteps=10,
+               rebalanceMinGainPercent=10)
+    joined = nodes(*[f"n{i}" for i in range(6)], slots=3)
+    state = c.handle(c.new_job(spec), c.NodesJoined(joined), T0).state
+    skewed = ((1, 2, 4, 8), (8, 4, 2, 1))
+    before = busiest_rank(state.plan, skewed)
     out = c.handle(state, c.Progress(step=5, generation=1, loads=skewed), T0)
     assert out.decisions == ()  # not due yet
     out = c.handle(out.state, c.Progress(step=10, generation=1, loads=skewed), T0)
     pub = _published(out)
     assert pub.plan.reason == "Rebalance"
-    assert pub.plan.layers[0].replicas[0] > pub.plan.layers[0].replicas[1]
-    # The plan now matches the loads: nothing more to gain.
+    assert busiest_rank(pub.plan, skewed) <= 0.9 * before
+    # The plan the solver would make now is the one it has: never published again (with
+    # the old per-replica measure this republished the same counts every 10 steps).
+    for step in (20, 30):
+        out = c.handle(out.state, c.Progress(step=step, generation=2, loads=skewed), T0)
+        assert not any(isinstance(d, c.PublishPlan) for d in out.decisions), step
     assert c.handle(out.state, c.RebalanceDue(), T0).decisions == ()
     even = ((10, 10, 10, 10), (10, 10, 10, 10))
     assert c.handle(dataclasses.replace(state, loads=even), c.RebalanceDue(), T0).decisions == ()
+
+
+def test_no_rebalance_where_every_node_holds_every_expert():
+    # Four slots for four experts: each rank holds every expert once, so any loads leave
+    # the ranks equal, however far the replica counts are from the loads.
+    state = started(job(replicas=4, maxNodes=4, rebalanceEverySteps=10))
+    skewed = ((100, 10, 10, 10), (10, 10, 10, 100))
+    assert busiest_rank(state.plan, skewed) == pytest.approx(1.0)
+    assert c.handle(state, c.Progress(step=10, generation=1, loads=skewed), T0).decisions == ()
 
 
 def test_too_few_nodes_waits_then_resumes_with_a_restore_if_needed():
@@ -141,7 +160,6 @@ def test_too_few_nodes_waits_then_resumes_with_a_restore_if_needed():
 
 
 def test_immutable_fields_cannot_change():
-    import pytest
     from lazarus_core.job_spec import SpecError
     with pytest.raises(SpecError) as e:
         c.handle(started(), c.SpecChanged(job(slotsPerGpu=3)), T0)

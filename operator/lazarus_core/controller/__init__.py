@@ -20,7 +20,7 @@ from .reasons import (GPU_LOST, INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCAL
                       SPEC_CHANGED, SPOT_NOTICE, STALLED, SUCCEEDED)
 from .state import JobState, Settings, new_job
 from .status import conditions, lowest_replicas, not_ready, status
-from .transitions import handle, handle_all, imbalance
+from .transitions import handle, handle_all
 
 __all__ = [
     "Decision", "Outcome", "PublishPlan", "ReleaseWorkers", "Wait",
@@ -30,5 +30,5 @@ __all__ = [
     "SPOT_NOTICE", "STALLED", "SUCCEEDED",
     "JobState", "Settings", "new_job",
     "conditions", "lowest_replicas", "not_ready", "status",
-    "handle", "handle_all", "imbalance",
+    "handle", "handle_all",
 ]

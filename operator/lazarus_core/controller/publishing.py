@@ -4,42 +4,53 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from ..plan import Plan
 from ..solver import plan_job, replan
 from ..topology import NodeSpec
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
 from .state import JobState
 
 
-def publish(state: JobState, reason: str, now: float, why: str) -> Outcome:
-    """The next generation on the chosen nodes, or Wait when too few are usable."""
+def next_plan(state: JobState, reason: str, why: str) -> Plan | Wait:
+    """The plan the next generation would have on the chosen nodes, or Wait when too few
+    are usable."""
     spec = state.spec
     chosen = choose(state)
     if len(chosen) < spec.fewest_nodes:
-        wait = Wait("WaitingForNodes",
+        return Wait("WaitingForNodes",
                     f"{why}: only {len(chosen)} usable nodes, the job needs {spec.fewest_nodes}; "
                     f"waiting for capacity")
-        return Outcome(state, (wait,))
     slots = sum(n.slots for n in chosen)
     if slots < spec.experts * spec.min_replicas:  # nodes that lost GPUs hold fewer slots
-        wait = Wait("WaitingForNodes",
+        return Wait("WaitingForNodes",
                     f"{why}: the usable GPUs hold {slots} expert slots, {spec.experts} experts "
                     f"x {spec.min_replicas} replicas need {spec.experts * spec.min_replicas}; "
                     f"waiting for capacity")
-        return Outcome(state, (wait,))
     loads = as_floats(state.loads) if state.loads is not None else None
     generation = state.plan.generation + 1 if state.plan else 1
     if state.plan is None:
-        plan = plan_job(chosen, spec.experts, spec.layers, spec.min_replicas, spec.policy,
+        return plan_job(chosen, spec.experts, spec.layers, spec.min_replicas, spec.policy,
                         loads=loads, generation=generation, reason=reason,
                         max_failures=state.settings.max_failures)
-    else:
-        # Positions are mapped onto nodes to keep replicas where the current plan put them
-        # (the coordinator then moves what is missing, from what the workers really hold).
-        # replan() keeps the old plan's policy and f; a spec change may have altered them.
-        old = dataclasses.replace(state.plan, policy=spec.policy, min_replicas=spec.min_replicas)
-        sources = ({n.name for n in old.nodes} & state.alive) - state.departed
-        plan = replan(old, chosen, reason, sources, loads,
-                      max_failures=state.settings.max_failures).plan
+    # Positions are mapped onto nodes to keep replicas where the current plan put them
+    # (the coordinator then moves what is missing, from what the workers really hold).
+    # replan() keeps the old plan's policy and f; a spec change may have altered them.
+    old = dataclasses.replace(state.plan, policy=spec.policy, min_replicas=spec.min_replicas)
+    sources = ({n.name for n in old.nodes} & state.alive) - state.departed
+    return replan(old, chosen, reason, sources, loads,
+                  max_failures=state.settings.max_failures).plan
+
+
+def publish(state: JobState, reason: str, now: float, why: str,
+            plan: Plan | None = None) -> Outcome:
+    """The next generation on the chosen nodes (``plan``, when the caller has made it with
+    ``next_plan``), or Wait when too few are usable."""
+    if plan is None:
+        made = next_plan(state, reason, why)
+        if isinstance(made, Wait):
+            return Outcome(state, (made,))
+        plan = made
+    generation = plan.generation
     in_plan = {n.name for n in plan.nodes}
     left_out = state.alive - in_plan
     # Released workers must stay until they have sent their experts (see transitions).

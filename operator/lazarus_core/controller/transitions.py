@@ -15,14 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from ..allocation import InfeasibleError
+from ..balance import busiest_rank
 from ..job_spec import JobSpec, SpecError, Violation
-from ..solver import allocate_layers
 from ..topology import NodeSpec
 from .decisions import Decision, Outcome, PublishPlan, ReleaseWorkers, Wait
 from .events import (Event, GpusBack, GpusLost, NodesJoined, NodesLost, Progress,
                      RebalanceDue, SpecChanged, SpotNotice, Tick, WorkerFailed)
-from .publishing import as_floats, choose, names, publish, usable, would_grow
+from .publishing import as_floats, choose, names, next_plan, publish, usable, would_grow
 from .reasons import (GPU_LOST, INITIAL, NODE_JOINED, NODE_LOST, REBALANCE, SCALE_DOWN,
                       SPEC_CHANGED, SPOT_NOTICE, STALLED)
 from .state import JobState
@@ -283,6 +282,10 @@ def _on_stall(state: JobState, now: float) -> Outcome:
 
 
 def _rebalance(state: JobState, now: float, force: bool) -> Outcome:
+    """A new generation for the measured loads, only if it brings the busiest rank down by
+    at least ``rebalanceMinGainPercent``: judged on the plan the solver would make (which
+    also weighs recovery and may trade counts), so a plan already as good is never
+    published again."""
     spec = state.spec
     if state.plan is None or state.stale or state.loads is None:
         return Outcome(state)
@@ -290,29 +293,19 @@ def _rebalance(state: JobState, now: float, force: bool) -> Outcome:
     if not (due or force):
         return Outcome(state)
     state = dataclasses.replace(state, last_rebalance_step=state.step)
-    before = [list(l.replicas) for l in state.plan.layers]
-    try:
-        after = allocate_layers(as_floats(state.loads), spec.layers, spec.experts,
-                                sum(n.slots for n in state.plan.nodes), spec.min_replicas)
-    except InfeasibleError:
+    loads = as_floats(state.loads)
+    old = busiest_rank(state.plan, loads)
+    gain = spec.rebalance_min_gain_percent / 100
+    if gain >= 1 or old * (1 - gain) < 1:
+        return Outcome(state)  # not even perfect balance would gain enough
+    candidate = next_plan(state, REBALANCE, "rebalance")
+    if isinstance(candidate, Wait):
         return Outcome(state)
-    old, new = imbalance(before, state.loads), imbalance(after, state.loads)
-    if old <= 0 or (old - new) * 100 < spec.rebalance_min_gain_percent * old:
+    new = busiest_rank(candidate, loads)
+    if new >= old or (old - new) < gain * old:
         return Outcome(state)
-    return publish(state, REBALANCE, now,
-                   f"load imbalance (max/mean per replica) {old:.2f} -> {new:.2f}")
-
-
-def imbalance(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[int]]) -> float:
-    """Worst layer's busiest replica load over its mean replica load (1.0 is perfect)."""
-    worst = 0.0
-    for r, t in zip(replicas, loads):
-        total = sum(t)
-        if total <= 0:
-            continue
-        mean = total / sum(r)
-        worst = max(worst, max(te / re for te, re in zip(t, r)) / mean)
-    return worst
+    return publish(state, REBALANCE, now, f"busiest rank over the mean {old:.2f} -> {new:.2f}",
+                   candidate)
 
 
 def _check_loads(spec: JobSpec, loads) -> tuple[tuple[int, ...], ...]:
