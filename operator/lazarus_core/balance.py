@@ -12,7 +12,9 @@ replica may go anywhere without lowering recovery. The fill:
 3. hands the remaining replicas out in rounds, heaviest first, each round giving one
    replica to every rank with a free slot, the heaviest to the least loaded;
 4. swaps replicas between busy and light ranks while that helps: anchors stay on their
-   node, kept replicas too unless the ranks are still more than ``BALANCE_TARGET`` apart.
+   node, kept replicas too unless the ranks are still more than ``BALANCE_TARGET`` apart;
+5. with ``trade``, lets a layer still more than ``BALANCE_TARGET`` apart trade replica
+   counts (``count_trading.py``): the counts it returns may differ from those given.
 
 Ranks follow plan.py: slot s of a node belongs to its rank s // slots_per_rank.
 """
@@ -304,9 +306,9 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
 def busiest_rank(plan, loads: Sequence[Sequence[float]]) -> float:
     """The worst layer's busiest rank over its mean rank, under ``loads[l][e]`` (each
     replica of e carries t_e / r_e): what a plan's step time answers to. 1.0 is perfect."""
-    ranks = np.concatenate([np.repeat(np.arange(len(n.ranks)) + n.ranks[0]
-                                      if n.ranks else np.zeros(0, dtype=np.int64),
-                                      n.slots_per_rank) for n in plan.nodes]).astype(np.int64)
+    # Slot s of a node belongs to its rank s // slots_per_rank (plan.py).
+    ranks = np.concatenate([np.repeat(np.asarray(n.ranks, dtype=np.int64), n.slots_per_rank)
+                            for n in plan.nodes])
     worst = 1.0
     for layer, t in zip(plan.layers, loads):
         t = np.asarray(t, dtype=np.float64)
