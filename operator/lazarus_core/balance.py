@@ -20,7 +20,7 @@ Ranks follow plan.py: slot s of a node belongs to its rank s // slots_per_rank.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -36,6 +36,8 @@ BALANCE_TARGET = 1.05
 # Work bounds of the swap rounds (they stop sooner once nothing gains).
 MAX_ROUNDS = 64
 PATIENCE = 4
+# Fills tried where the first option's layers do not all balance (``first_balanced``).
+FILLS_TRIED = 3
 # Only the busiest ranks matter (the busiest sets the step time): pair this many at most.
 MAX_PAIRS = 64
 STALLED_ROUNDS = 8
@@ -303,22 +305,60 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
     return np.clip(limit - (before - start), 0, amount)
 
 
+def first_balanced(fills: Iterable[tuple[object, np.ndarray]], loads, gpus: Sequence[int],
+                   slots: Sequence[int]) -> tuple[object, np.ndarray]:
+    """The first of ``fills`` ((what it was made from, [layer, slot] fill), in the order to
+    take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the most
+    balanced of the first ``FILLS_TRIED``: the options are ranked on their most fragile
+    layer, and another layer may not balance as that one does."""
+    best = None
+    for i, (made_from, placements) in enumerate(fills):
+        worst = filled_balance(placements, loads, gpus, [c // g for c, g in zip(slots, gpus)])
+        if best is None or max(worst, BALANCE_TARGET) < best[0]:
+            best = (max(worst, BALANCE_TARGET), made_from, placements)
+        if worst <= BALANCE_TARGET or i + 1 >= FILLS_TRIED:
+            break
+    return best[1], best[2]
+
+
 def busiest_rank(plan, loads: Sequence[Sequence[float]]) -> float:
     """The worst layer's busiest rank over its mean rank, under ``loads[l][e]`` (each
     replica of e carries t_e / r_e): what a plan's step time answers to. 1.0 is perfect."""
     # Slot s of a node belongs to its rank s // slots_per_rank (plan.py).
     ranks = np.concatenate([np.repeat(np.asarray(n.ranks, dtype=np.int64), n.slots_per_rank)
                             for n in plan.nodes])
-    worst = 1.0
-    for layer, t in zip(plan.layers, loads):
-        t = np.asarray(t, dtype=np.float64)
-        if t.sum() <= 0:
-            continue
-        r = np.asarray(layer.replicas, dtype=np.float64)
-        w = np.divide(t, r, out=np.zeros_like(t), where=r > 0)
-        per_rank = np.bincount(ranks, weights=w[layer.flat], minlength=plan.world_size)
-        worst = max(worst, float(per_rank.max() / per_rank.mean()))
-    return worst
+    return _busiest(np.stack([layer.flat for layer in plan.layers]),
+                    [layer.replicas for layer in plan.layers], loads, ranks, plan.world_size)
+
+
+def filled_balance(placements: np.ndarray, loads: Sequence[Sequence[float]],
+                   ranks_per_node: Sequence[int], slots_per_rank: Sequence[int]) -> float:
+    """``busiest_rank`` of a [layer, slot] fill (``fill_layers``'s order), with the counts
+    it holds."""
+    g = np.asarray(ranks_per_node, dtype=np.int64)
+    ranks = np.repeat(np.arange(int(g.sum())), np.repeat(slots_per_rank, g))
+    experts = len(loads[0])
+    offsets = np.arange(len(placements))[:, None] * experts
+    counts = np.bincount((placements + offsets).ravel(),
+                         minlength=len(placements) * experts).reshape(-1, experts)
+    return _busiest(placements, counts, loads, ranks, int(g.sum()))
+
+
+def _busiest(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
+             num_ranks: int) -> float:
+    t = np.asarray(loads, dtype=np.float64)
+    r = np.asarray(replicas, dtype=np.float64)
+    w = np.divide(t, r, out=np.zeros_like(t), where=r > 0)
+    per_slot = np.take_along_axis(w, slots, axis=1)
+    num_layers = len(slots)
+    per_rank = np.bincount((np.arange(num_layers)[:, None] * num_ranks + rank_of_slot).ravel(),
+                           weights=per_slot.ravel(),
+                           minlength=num_layers * num_ranks).reshape(num_layers, num_ranks)
+    loaded = t.sum(axis=1) > 0
+    if not loaded.any():
+        return 1.0
+    ratios = per_rank[loaded].max(axis=1) / per_rank[loaded].mean(axis=1)
+    return max(1.0, float(ratios.max()))
 
 
 def rank_loads(placement: Placement, weights: Sequence[float],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from .anchor_search import best_anchors, cores_key, largest_core, scored_failure
 from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, balance_within,
                       repair)
 from .allocation import even_out
-from .balance import BALANCE_TARGET, fill_layers, rank_loads
+from .balance import BALANCE_TARGET, fill_layers, first_balanced, rank_loads
 from .placement import Placement
 from .plan import split_slots
 from .recovery import fatal_counts
@@ -48,11 +48,13 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     counts are kept. ``ranks_per_node`` splits each node's slots over its ranks (one rank
     when absent).
     """
-    anchors = structure(layers, slots, loads, ranks_per_node)
     weights = loads if loads is not None else [[1.0] * len(r) for r in layers]
-    return [split_slots(row, slots)
-            for row in place_anchored(anchors, slots, weights, ranks_per_node, None,
-                                      trade=loads is not None)]
+    g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
+    _, placements = first_balanced(
+        ((None, place_anchored(make(), slots, weights, ranks_per_node, None,
+                               trade=loads is not None))
+         for make in structure(layers, slots, loads, ranks_per_node)), weights, g, slots)
+    return [split_slots(row, slots) for row in placements]
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
@@ -78,8 +80,11 @@ def per_replica(replicas, loads) -> np.ndarray:
 
 def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
               loads: Sequence[Sequence[float]] | None,
-              ranks_per_node: Sequence[int] | None = None) -> list[LayerAnchors]:
-    """Every layer's replica counts and anchors, for a fresh plan.
+              ranks_per_node: Sequence[int] | None = None
+              ) -> list[Callable[[], list[LayerAnchors]]]:
+    """Every layer's replica counts and anchors, for a fresh plan: makers of the options as
+    good on recovery as the best, the one to take first (``solver.layout`` takes the next
+    where the first one's other layers do not balance as its most fragile layer does).
 
     With ``loads``, the allocation formula's counts are tried as given and evened out
     (``allocation.even_out``), and where neither balances, as the fill trades them
@@ -89,9 +94,11 @@ def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     fragile layer, then balance.
     """
     shape = _Shape(layers, slots, loads, ranks_per_node)
-    index, weights, probe, template = shape.template()
-    return align(shape.variants[index], template, slots, weights, weights[probe],
-                 shape.largest)
+    shape.template()
+    return [lambda index=index, weights=weights, probe=probe, template=template:
+            align(shape.variants[index], template, slots, weights, weights[probe],
+                  shape.largest)
+            for index, weights, probe, template in shape.alternatives()]
 
 
 def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
@@ -99,10 +106,12 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
                 ranks_per_node: Sequence[int] | None,
                 previous: Sequence[Sequence[int]],
                 holders: Sequence[Sequence[int]],
-                before: Sequence[Sequence[int]]) -> tuple[list[LayerAnchors], bool]:
+                before: Sequence[Sequence[int]]
+                ) -> list[tuple[Callable[[], list[LayerAnchors]], bool]]:
     """Every layer's replica counts and anchors for a re-plan, and whether they are fresh
     (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
-    repaired on the nodes themselves.
+    repaired on the nodes themselves: the options as good on recovery as the best, as
+    makers, the one to take first (as ``structure``'s).
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
@@ -131,7 +140,7 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         repaired[index] = repair(replicas, weights, previous, holders, slots, shape.largest)
         if (not any(model_key(repaired[index], n, REPLAN_FAILURES))
                 and shape.balance_of(repaired[index][probe], probe, weights) <= BALANCE_TARGET):
-            return repaired[index], False
+            return [(lambda kept=repaired[index]: kept, False)]
     index, weights, probe, template = shape.template()
     replicas = shape.variants[index]
     if index not in repaired:  # counts the fill traded to (``_Shape.template``)
@@ -141,20 +150,22 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     def dealt() -> list[LayerAnchors]:
         return [balance_within(a, w, n) for a, w in zip(kept, weights)]
 
-    def fresh() -> list[LayerAnchors]:
-        return align(replicas, template, slots, weights, weights[probe], shape.largest)
+    def fresh(index, weights, probe, template):
+        return lambda: align(shape.variants[index], template, slots, weights, weights[probe],
+                             shape.largest)
 
     # Aligning adds cores to the template's, so the template's counts stand for fresh
     # anchors' until they are needed.
     key = model_key(kept, n, REPLAN_FAILURES)
-    choice = _choose([
-        (key, 0, lambda: shape.balance_of(kept[probe], probe, weights), lambda: kept),
+    options = [
+        (key, 0, lambda: shape.balance_of(kept[probe], probe, weights), (lambda: kept, False)),
         (key, 1, lambda: shape.balance_of(balance_within(kept[probe], weights[probe], n),
-                                          probe, weights), dealt),
-        (cores_key(template, n, shape.k), 2,
-         lambda: shape.balance_of(template, probe, weights), fresh),
-    ], n, REPLAN_FAILURES)
-    return choice(), choice is fresh
+                                          probe, weights), (dealt, False))]
+    for choice in shape.alternatives():
+        options.append((cores_key(choice[3], n, shape.k), 2,
+                        lambda choice=choice: shape.balance_of(choice[3], choice[2], choice[1]),
+                        (fresh(*choice), True)))
+    return _ranked(options, n, REPLAN_FAILURES)
 
 
 class _Shape:
@@ -176,6 +187,7 @@ class _Shape:
         self.largest = largest_core(len(slots))
         self.templates: dict[tuple[int, int], LayerAnchors] = {}  # see ``structure_of``
         self.weights: dict[int, tuple] = {}  # variant -> ``weighed``
+        self.options: list[tuple] = []  # the last ``template``'s, for ``alternatives``
 
     def weighed_variant(self, index: int):
         """``weighed`` of variant ``index`` (computed once)."""
@@ -277,15 +289,17 @@ class _Shape:
         # counts, moves, balance, what to return). Trading costs more than a fill: tried
         # only where no option as good on recovery as the best balances without.
         options = {(i, 0): self.option((i, 0), trade=False) for i in range(len(self.variants))}
-        if not self.trade or _settled([o for o, _ in options.values()], n):
-            return _variant(_choose([o for o, _ in options.values()], n))
+        self.options = [o for o, _ in options.values()]
+        if not self.trade or _settled(self.options, n):
+            return _variant(_choose(self.options, n))
         for i in range(len(self.variants)):
             most = max(Counter(c for c in self.structure_of((i, 0)).cores if c).values(),
                        default=1)
             options.update({(i, s): self.option((i, s), trade=False)
                             for s in range(most - 1, 0, -1)})
-        if _settled([o for o, _ in options.values()], n):
-            return _variant(_choose([o for o, _ in options.values()], n))
+        self.options = [o for o, _ in options.values()]
+        if _settled(self.options, n):
+            return _variant(_choose(self.options, n))
         options = {key: self.option(key, trade=True) for key in options}
         ends: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -314,12 +328,19 @@ class _Shape:
                 explore(k)
         # The option taken must be checked too, if its fill trades.
         for _ in range(TRADE_ROUNDS):
-            choice = _choose(list(valid().values()), n)
+            self.options = list(valid().values())
+            choice = _choose(self.options, n)
             if not options[choice[0]][1] or choice[0] in ends:
                 return _variant(choice)
             explore(choice[0])
         checked = [o for k, o in valid().items() if not options[k][1] or k in ends]
-        return _variant(_choose(checked or list(valid().values()), n))
+        self.options = checked or list(valid().values())
+        return _variant(_choose(self.options, n))
+
+    def alternatives(self) -> list[tuple]:
+        """Every option of the last ``template`` as good on recovery as the best, in the
+        order it would take them (its choice first)."""
+        return [_variant(value) for value in _ranked(self.options, len(self.slots))]
 
 
 def _variant(choice):
@@ -366,6 +387,20 @@ def _choose(options, num_nodes: int, depth: int | None = None):
         worst = balance() if callable(balance) else balance
         scored.append((max(worst, BALANCE_TARGET), moves, worst, value))
     return min(scored, key=lambda o: o[:3])[3]
+
+
+def _ranked(options, num_nodes: int, depth: int | None = None) -> list:
+    """The values of every option as good on recovery as the best, in ``_choose``'s order
+    (every balance measured): what to fall back on where the first one's other layers do
+    not balance as its most fragile layer does."""
+    options = [(o[0][:depth], *o[1:]) for o in options]
+    best = min(o[0] for o in options)
+    scored = []
+    for i, (key, moves, balance, value) in enumerate(options):
+        if _within(key, best, num_nodes):
+            worst = balance() if callable(balance) else balance
+            scored.append((max(worst, BALANCE_TARGET), moves, worst, i, value))
+    return [o[4] for o in sorted(scored, key=lambda o: o[:4])]
 
 
 def _within(key: Sequence[int], best: Sequence[int], num_nodes: int) -> bool:

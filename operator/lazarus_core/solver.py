@@ -11,6 +11,7 @@ from .anchors import anchors_of_presence, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
+from .balance import first_balanced
 from .mro import mro, place_anchored, restructure, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
@@ -83,10 +84,10 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
     slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
     if policy != "mro":
         return ordered, replicas, place(policy, replicas, slots)
-    anchors = structure(replicas, slots, loads, gpus)
     weights = loads if loads is not None else [[1.0] * experts] * layers
-    placements = place_anchored(anchors, slots, weights, gpus, None,
-                                trade=loads is not None)
+    _, placements = first_balanced(
+        ((None, place_anchored(make(), slots, weights, gpus, None, trade=loads is not None))
+         for make in structure(replicas, slots, loads, gpus)), weights, gpus, slots)
     return ordered, placed_counts(placements, experts), placements
 
 
@@ -197,14 +198,20 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         references = _references(old, ordered, sources)
         every = masks_of((references > 0).transpose(0, 2, 1).reshape(-1, len(ordered)))
         holders = [every[i:i + old.experts] for i in range(0, len(every), old.experts)]
-        anchors, fresh = restructure(replicas, slots, loads, gpus, surviving_cores(old, ordered),
-                                     holders, [layer.replicas for layer in old.layers])
-        if fresh:  # built on positions: the nodes that hold its anchors play them
-            ordered = map_anchors(anchors, ordered, references)
-            references = _references(old, ordered, sources)
-        weights = loads if loads is not None else [[1.0] * old.experts for _ in anchors]
-        placements = place_anchored(anchors, slots, weights, gpus, references,
-                                    trade=loads is not None)
+        options = restructure(replicas, slots, loads, gpus, surviving_cores(old, ordered),
+                              holders, [layer.replicas for layer in old.layers])
+        weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
+
+        def fills():
+            for make, fresh in options:
+                anchors, on, held = make(), ordered, references
+                if fresh:  # built on positions: the nodes that hold its anchors play them
+                    on = map_anchors(anchors, ordered, references)
+                    held = _references(old, on, sources)
+                yield on, place_anchored(anchors, slots, weights, gpus, held,
+                                         trade=loads is not None)
+
+        ordered, placements = first_balanced(fills(), weights, gpus, slots)
         replicas = placed_counts(placements, old.experts)
     # Each rank of a node is played by the GPU of that node that holds most of what it needs.
     if isinstance(placements, np.ndarray):

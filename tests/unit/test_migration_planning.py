@@ -1,5 +1,6 @@
 import pytest
 
+from lazarus_core.balance import BALANCE_TARGET, busiest_rank
 from lazarus_core.migration import holdings, map_nodes_greedy, map_nodes_optimal, plan_transfers
 from lazarus_core.plan import validate
 from lazarus_core.solver import plan_job, replan
@@ -158,3 +159,17 @@ def test_a_lost_gpu_re_plans_its_node_on_the_gpus_left_and_moves_only_what_they_
               for e in es if m not in members or e not in before[m][li]}
     assert {(t.layer, t.expert, t.destination) for t in migration.transfers} == needed
     assert all(t.source != "n1/0" for t in migration.transfers)
+
+
+def test_a_rebalance_balances_every_layer_not_only_the_most_fragile():
+    # Options are ranked on their most fragile layer. Here the repair that keeps most in
+    # place balances that layer and leaves the other at 1.55 times the mean (its hot
+    # expert twice on one node, every slot around it an anchor); the re-plan must fall back
+    # to an option whose every layer balances, recovering as well.
+    nodes = _nodes(3, slots=3)
+    loads = [[70, 10, 10, 10], [10, 10, 10, 70]]
+    before = plan_job(nodes, 4, 2, 2, max_failures=2)
+    after = replan(before, nodes, "Rebalance", {n.name for n in nodes}, loads,
+                   max_failures=2).plan
+    assert busiest_rank(after, loads) <= BALANCE_TARGET
+    assert after.recovery["1"] == 1.0
