@@ -20,7 +20,7 @@ Ranks follow plan.py: slot s of a node belongs to its rank s // slots_per_rank.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -305,18 +305,21 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
     return np.clip(limit - (before - start), 0, amount)
 
 
-def first_balanced(fills: Iterable[tuple[object, np.ndarray]], loads, gpus: Sequence[int],
-                   slots: Sequence[int]) -> tuple[object, np.ndarray]:
-    """The first of ``fills`` ((what it was made from, [layer, slot] fill), in the order to
-    take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the most
-    balanced of the first ``FILLS_TRIED``: the options are ranked on their most fragile
-    layer, and another layer may not balance as that one does."""
+def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loads,
+                   gpus: Sequence[int], slots: Sequence[int]) -> tuple[object, np.ndarray]:
+    """The first of ``fills`` (makers of (what it was made from, [layer, slot] fill), in the
+    order to take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the
+    most balanced of the first ``FILLS_TRIED``: the options are ranked on their most fragile
+    layer, and another layer may not balance as that one does. A lone fill is taken as it
+    is (nothing to fall back on)."""
+    if len(fills) == 1:
+        return fills[0]()
     best = None
-    for i, (made_from, placements) in enumerate(fills):
+    for made_from, placements in (make() for make in fills[:FILLS_TRIED]):
         worst = filled_balance(placements, loads, gpus, [c // g for c, g in zip(slots, gpus)])
         if best is None or max(worst, BALANCE_TARGET) < best[0]:
             best = (max(worst, BALANCE_TARGET), made_from, placements)
-        if worst <= BALANCE_TARGET or i + 1 >= FILLS_TRIED:
+        if worst <= BALANCE_TARGET:
             break
     return best[1], best[2]
 

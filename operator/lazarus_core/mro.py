@@ -51,9 +51,9 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     weights = loads if loads is not None else [[1.0] * len(r) for r in layers]
     g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
     _, placements = first_balanced(
-        ((None, place_anchored(make(), slots, weights, ranks_per_node, None,
-                               trade=loads is not None))
-         for make in structure(layers, slots, loads, ranks_per_node)), weights, g, slots)
+        [lambda make=make: (None, place_anchored(make(), slots, weights, ranks_per_node, None,
+                                                 trade=loads is not None))
+         for make in structure(layers, slots, loads, ranks_per_node)], weights, g, slots)
     return [split_slots(row, slots) for row in placements]
 
 

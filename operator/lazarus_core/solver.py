@@ -86,8 +86,9 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
         return ordered, replicas, place(policy, replicas, slots)
     weights = loads if loads is not None else [[1.0] * experts] * layers
     _, placements = first_balanced(
-        ((None, place_anchored(make(), slots, weights, gpus, None, trade=loads is not None))
-         for make in structure(replicas, slots, loads, gpus)), weights, gpus, slots)
+        [lambda make=make: (None, place_anchored(make(), slots, weights, gpus, None,
+                                                 trade=loads is not None))
+         for make in structure(replicas, slots, loads, gpus)], weights, gpus, slots)
     return ordered, placed_counts(placements, experts), placements
 
 
@@ -202,16 +203,16 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
                               holders, [layer.replicas for layer in old.layers])
         weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
 
-        def fills():
-            for make, fresh in options:
-                anchors, on, held = make(), ordered, references
-                if fresh:  # built on positions: the nodes that hold its anchors play them
-                    on = map_anchors(anchors, ordered, references)
-                    held = _references(old, on, sources)
-                yield on, place_anchored(anchors, slots, weights, gpus, held,
-                                         trade=loads is not None)
+        def fill(make, fresh):
+            anchors, on, held = make(), ordered, references
+            if fresh:  # built on positions: the nodes that hold its anchors play them
+                on = map_anchors(anchors, ordered, references)
+                held = _references(old, on, sources)
+            return on, place_anchored(anchors, slots, weights, gpus, held,
+                                      trade=loads is not None)
 
-        ordered, placements = first_balanced(fills(), weights, gpus, slots)
+        ordered, placements = first_balanced(
+            [lambda option=option: fill(*option) for option in options], weights, gpus, slots)
         replicas = placed_counts(placements, old.experts)
     # Each rank of a node is played by the GPU of that node that holds most of what it needs.
     if isinstance(placements, np.ndarray):
