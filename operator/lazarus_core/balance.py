@@ -340,11 +340,16 @@ def filled_balance(placements: np.ndarray, loads: Sequence[Sequence[float]],
     it holds."""
     g = np.asarray(ranks_per_node, dtype=np.int64)
     ranks = np.repeat(np.arange(int(g.sum())), np.repeat(slots_per_rank, g))
-    experts = len(loads[0])
+    return _busiest(placements, fill_counts(placements, len(loads[0])), loads, ranks,
+                    int(g.sum()))
+
+
+def fill_counts(placements: np.ndarray, experts: int) -> np.ndarray:
+    """[layer, expert]: the replicas a [layer, slot] fill holds (with ``trade`` they may
+    differ from the counts it was given)."""
     offsets = np.arange(len(placements))[:, None] * experts
-    counts = np.bincount((placements + offsets).ravel(),
-                         minlength=len(placements) * experts).reshape(-1, experts)
-    return _busiest(placements, counts, loads, ranks, int(g.sum()))
+    return np.bincount((placements + offsets).ravel(),
+                       minlength=len(placements) * experts).reshape(-1, experts)
 
 
 def _busiest(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
@@ -362,13 +367,3 @@ def _busiest(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
         return 1.0
     ratios = per_rank[loaded].max(axis=1) / per_rank[loaded].mean(axis=1)
     return max(1.0, float(ratios.max()))
-
-
-def rank_loads(placement: Placement, weights: Sequence[float],
-               slots_per_rank: Sequence[int]) -> list[float]:
-    """Expert work per rank, rank by rank in node order."""
-    out = []
-    for experts, c in zip(placement, slots_per_rank):
-        for i in range(0, len(experts), c):
-            out.append(sum(weights[e] for e in experts[i:i + c]))
-    return out

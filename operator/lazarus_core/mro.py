@@ -20,7 +20,7 @@ from .anchor_search import best_anchors, cores_key, largest_core, scored_failure
 from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, balance_within,
                       repair)
 from .allocation import even_out
-from .balance import BALANCE_TARGET, fill_layers, first_balanced, rank_loads
+from .balance import BALANCE_TARGET, fill_counts, fill_layers, filled_balance, first_balanced
 from .placement import Placement
 from .plan import split_slots
 from .recovery import fatal_counts
@@ -139,7 +139,7 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         weights, probe = shape.weighed(replicas)
         repaired[index] = repair(replicas, weights, previous, holders, slots, shape.largest)
         if (not any(model_key(repaired[index], n, REPLAN_FAILURES))
-                and shape.balance_of(repaired[index][probe], probe, weights) <= BALANCE_TARGET):
+                and shape.balance_of(repaired[index][probe], probe) <= BALANCE_TARGET):
             return [(lambda kept=repaired[index]: kept, False)]
     index, weights, probe, template = shape.template()
     replicas = shape.variants[index]
@@ -158,12 +158,12 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     # anchors' until they are needed.
     key = model_key(kept, n, REPLAN_FAILURES)
     options = [
-        (key, 0, lambda: shape.balance_of(kept[probe], probe, weights), (lambda: kept, False)),
+        (key, 0, lambda: shape.balance_of(kept[probe], probe), (lambda: kept, False)),
         (key, 1, lambda: shape.balance_of(balance_within(kept[probe], weights[probe], n),
-                                          probe, weights), (dealt, False))]
+                                          probe), (dealt, False))]
     for choice in shape.alternatives():
         options.append((cores_key(choice[3], n, shape.k), 2,
-                        lambda choice=choice: shape.balance_of(choice[3], choice[2], choice[1]),
+                        lambda choice=choice: shape.balance_of(choice[3], choice[2]),
                         (fresh(*choice), True)))
     return _ranked(options, n, REPLAN_FAILURES)
 
@@ -201,7 +201,7 @@ class _Shape:
         probe = min(range(len(replicas)), key=lambda li: (sorted(replicas[li]), li))
         return weights, probe
 
-    def balance_of(self, anchors: LayerAnchors, probe: int, weights) -> float:
+    def balance_of(self, anchors: LayerAnchors, probe: int) -> float:
         """The busiest rank over the mean of the probe layer filled around ``anchors``
         (with the counts its fill trades to)."""
         return self.filled(anchors, probe, self.trade)[1]
@@ -210,11 +210,11 @@ class _Shape:
         """The probe layer's counts after its fill around ``anchors`` and its busiest rank
         over the mean."""
         row = place_anchored([anchors], self.slots, [self.loads[probe]], self.ranks_per_node,
-                             None, trade)[0]
-        counts = np.bincount(row, minlength=len(anchors.replicas))
-        weights = per_replica([counts], [self.loads[probe]])[0]
-        return counts.tolist(), _worst_rank(split_slots(row, self.slots), weights, self.slots,
-                                            self.ranks_per_node)
+                             None, trade)
+        g = list(self.ranks_per_node) if self.ranks_per_node is not None else [1] * len(self.slots)
+        return (fill_counts(row, len(anchors.replicas))[0].tolist(),
+                filled_balance(row, [self.loads[probe]], g,
+                               [c // k for c, k in zip(self.slots, g)]))
 
     def structure_of(self, key: tuple[int, int]) -> LayerAnchors:
         """The probe layer's anchors of option ``key`` = (variant, sharing): the variant's
@@ -237,7 +237,7 @@ class _Shape:
         return self.templates[key]
 
     def option(self, key: tuple[int, int], trade: bool):
-        """Option ``key`` for ``_choose``, and whether its fill trades counts (with
+        """Option ``key`` for ``_ranked``, and whether its fill trades counts (with
         ``trade``)."""
         replicas = self.variants[key[0]]
         weights, probe = self.weighed_variant(key[0])
@@ -260,7 +260,7 @@ class _Shape:
         placed = place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,
                                 trade=True)
         num_experts = len(replicas[0])
-        ends = [np.bincount(row, minlength=num_experts).tolist() for row in placed]
+        ends = fill_counts(placed, num_experts).tolist()
         by_rank = [ends[probe][e] for e in _by_load(self.loads[probe])]
         out = []
         for counts in (ends, [_dealt(sorted(r, reverse=True), t) for r, t in zip(ends, self.loads)],
@@ -291,7 +291,7 @@ class _Shape:
         options = {(i, 0): self.option((i, 0), trade=False) for i in range(len(self.variants))}
         self.options = [o for o, _ in options.values()]
         if not self.trade or _settled(self.options, n):
-            return _variant(_choose(self.options, n))
+            return _variant(_ranked(self.options, n)[0])
         for i in range(len(self.variants)):
             most = max(Counter(c for c in self.structure_of((i, 0)).cores if c).values(),
                        default=1)
@@ -299,7 +299,7 @@ class _Shape:
                             for s in range(most - 1, 0, -1)})
         self.options = [o for o, _ in options.values()]
         if _settled(self.options, n):
-            return _variant(_choose(self.options, n))
+            return _variant(_ranked(self.options, n)[0])
         options = {key: self.option(key, trade=True) for key in options}
         ends: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -329,13 +329,13 @@ class _Shape:
         # The option taken must be checked too, if its fill trades.
         for _ in range(TRADE_ROUNDS):
             self.options = list(valid().values())
-            choice = _choose(self.options, n)
+            choice = _ranked(self.options, n)[0]
             if not options[choice[0]][1] or choice[0] in ends:
                 return _variant(choice)
             explore(choice[0])
         checked = [o for k, o in valid().items() if not options[k][1] or k in ends]
         self.options = checked or list(valid().values())
-        return _variant(_choose(self.options, n))
+        return _variant(_ranked(self.options, n)[0])
 
     def alternatives(self) -> list[tuple]:
         """Every option of the last ``template`` as good on recovery as the best, in the
@@ -373,26 +373,13 @@ def _dealt(counts_by_rank: Sequence[int], loads: Sequence[float]) -> list[int]:
     return out
 
 
-def _choose(options, num_nodes: int, depth: int | None = None):
-    """The option to take: (fatal counts, moves, balance, value); balance may be a function
-    that measures it, called in order of moving less and no further than needed. Only the
-    first ``depth`` failure counts are compared, when given."""
-    options = [(o[0][:depth], *o[1:]) for o in options]
-    best = min(o[0] for o in options)
-    close = sorted((o for o in options if _within(o[0], best, num_nodes)), key=lambda o: o[1])
-    scored = []
-    for _, moves, balance, value in close:
-        if scored and scored[-1][1] < moves and scored[-1][0] <= BALANCE_TARGET:
-            break
-        worst = balance() if callable(balance) else balance
-        scored.append((max(worst, BALANCE_TARGET), moves, worst, value))
-    return min(scored, key=lambda o: o[:3])[3]
-
-
 def _ranked(options, num_nodes: int, depth: int | None = None) -> list:
-    """The values of every option as good on recovery as the best, in ``_choose``'s order
-    (every balance measured): what to fall back on where the first one's other layers do
-    not balance as its most fragile layer does."""
+    """The values of every option as good on recovery as the best (fatal counts within
+    ``RECOVERY_TOLERANCE``, only the first ``depth`` failure counts when given), in the
+    order to take them: ranks within ``BALANCE_TARGET`` first, then moving less, then
+    balance. A balance may be a function that measures it. The first is the choice; the
+    rest are what to fall back on where its other layers do not balance as its most
+    fragile layer does."""
     options = [(o[0][:depth], *o[1:]) for o in options]
     best = min(o[0] for o in options)
     scored = []
@@ -412,10 +399,3 @@ def model_key(anchors: Sequence[LayerAnchors], num_nodes: int, k: int) -> tuple[
     """Fatal failure sets for k = 1..k of the whole model's cores (lower is better)."""
     cores = {c for a in anchors for c in a.cores if c}
     return tuple(fatal_counts(cores, num_nodes, k, SCORING_BUDGET))
-
-
-def _worst_rank(placement, weights, slots, ranks_per_node) -> float:
-    g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
-    loads = rank_loads(placement, weights, [c // k for c, k in zip(slots, g)])
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0

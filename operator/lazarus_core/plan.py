@@ -175,9 +175,7 @@ class _Counts:
 def _counts(flat: np.ndarray, sizes: Sequence[int], num_experts: int | None) -> np.ndarray:
     if num_experts is None:
         num_experts = int(flat.max()) + 1 if len(flat) else 0
-    rows = np.repeat(np.arange(len(sizes)), sizes)
-    counts = np.bincount(rows * num_experts + flat, minlength=len(sizes) * num_experts)
-    return counts.reshape(len(sizes), num_experts)
+    return _Counts(np.asarray(flat, dtype=np.int64)[None, :], sizes, num_experts).counts[0]
 
 
 @dataclass(frozen=True)

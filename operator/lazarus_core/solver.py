@@ -11,7 +11,7 @@ from .anchors import anchors_of_presence, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
-from .balance import first_balanced
+from .balance import fill_counts, first_balanced
 from .mro import mro, place_anchored, restructure, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
@@ -89,15 +89,7 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
         [lambda make=make: (None, place_anchored(make(), slots, weights, gpus, None,
                                                  trade=loads is not None))
          for make in structure(replicas, slots, loads, gpus)], weights, gpus, slots)
-    return ordered, placed_counts(placements, experts), placements
-
-
-def placed_counts(placements: np.ndarray, experts: int) -> list[list[int]]:
-    """Replicas per layer and expert of a [layer, slot] fill (its counts may be traded:
-    count_trading.py)."""
-    offsets = np.arange(len(placements))[:, None] * experts
-    return np.bincount((placements + offsets).ravel(),
-                       minlength=len(placements) * experts).reshape(-1, experts).tolist()
+    return ordered, fill_counts(placements, experts).tolist(), placements
 
 
 def _positions(nodes, experts, layers, min_replicas, loads):
@@ -213,7 +205,7 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
 
         ordered, placements = first_balanced(
             [lambda option=option: fill(*option) for option in options], weights, gpus, slots)
-        replicas = placed_counts(placements, old.experts)
+        replicas = fill_counts(placements, old.experts).tolist()
     # Each rank of a node is played by the GPU of that node that holds most of what it needs.
     if isinstance(placements, np.ndarray):
         bounds = np.concatenate(([0], np.cumsum([n.slots for n in ordered]))).tolist()
