@@ -70,7 +70,7 @@ def anchors_of_presence(presence: Sequence[np.ndarray], replicas: Sequence[Seque
     """``anchors_of`` from each layer's [expert, node] presence (``Plan`` keeps its counts)."""
     every = np.concatenate(presence)
     if largest is not None:
-        every = every[every.sum(axis=1) <= largest]
+        every = every[np.count_nonzero(every, axis=1) <= largest]
     cores = minimal_rows(every)
     sizes = cores.sum(axis=1)
     masks = masks_of(cores) + [0]
@@ -80,11 +80,11 @@ def anchors_of_presence(presence: Sequence[np.ndarray], replicas: Sequence[Seque
                  == sizes)
     # cores are sorted by size: the first one contained is the smallest
     contained = np.concatenate((contained, np.ones((len(contained), 1), dtype=bool)), axis=1)
-    which = contained.argmax(axis=1).tolist()  # the last column (no core) if none is
+    # the last column (no core) if none is
+    which = np.array(masks, dtype=object)[contained.argmax(axis=1)].tolist()
     out, start = [], 0
     for present, counts in zip(presence, replicas):
-        out.append(LayerAnchors(tuple(counts),
-                                tuple(masks[i] for i in which[start:start + len(present)])))
+        out.append(LayerAnchors(tuple(counts), tuple(which[start:start + len(present)])))
         start += len(present)
     return out
 

@@ -222,6 +222,11 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
         busy = per_slot.ravel()[heavy] > (enough * mean[at_work])[:, None]
         heavy, light = heavy[busy], light[busy]
         xh, xl = slot_of[heavy], slot_of[light]
+        # Ranks on two nodes can only swap two free replicas: pairs without are left out
+        # before the [pair, slot, slot] arrays are made (on a re-plan most are pinned).
+        can = (rank_node[heavy] == rank_node[light]) | (
+            (padded_home[xh] == -1).any(axis=1) & (padded_home[xl] == -1).any(axis=1))
+        heavy, light, xh, xl = heavy[can], light[can], xh[can], xl[can]
         d = padded_w[xh][:, :, None] - padded_w[xl][:, None, :]
         hh, hl = padded_home[xh][:, :, None], padded_home[xl][:, None, :]
         node = rank_node[heavy][:, None, None]
@@ -230,7 +235,7 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
                         | (same & ((hh == -1) | (hh == node)) & ((hl == -1) | (hl == node))))
         after = np.maximum((load[heavy][:, None, None] - d) / rank_slots[heavy][:, None, None],
                            (load[light][:, None, None] + d) / rank_slots[light][:, None, None])
-        after = np.where(ok, after, np.inf).reshape(len(heavy), -1)
+        after = np.where(ok, after, np.inf).reshape(len(heavy), width * width)
         pick = np.argmin(after, axis=1)
         gain = after[np.arange(len(heavy)), pick] < load[heavy] / rank_slots[heavy] - 1e-12
         gained = np.bincount(heavy[gain] // num_ranks, minlength=num_layers) > 0

@@ -23,6 +23,8 @@ from .topology import NodeSpec
 
 Placement = list[list[int]]
 
+# [byte value, bit]: the bits of each byte value, lowest first (``map_devices``).
+_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
 # A mapping across zones or slot counts would change the plan's failure domains.
 _FORBIDDEN = 1e9
 
@@ -55,7 +57,7 @@ def _retained(old: Plan, nodes: Sequence[NodeSpec], layers: Sequence[Placement])
     row = {n.name: i for i, n in enumerate(old.nodes)}
     rows = np.array([row.get(n.name, -1) for n in nodes])
     # [node, layer * expert]: does the node hold it (before), does the position need it (after)
-    before = np.concatenate([layer.counts > 0 for layer in old.layers], axis=1)
+    before = (old.count_cube > 0).transpose(1, 0, 2).reshape(len(old.nodes), -1)
     before = np.where((rows >= 0)[:, None], before[np.maximum(rows, 0)], False)
     after = np.concatenate([replica_counts(p, old.experts) > 0 for p in layers], axis=1)
     return before.astype(np.int64) @ after.T.astype(np.int64)
@@ -161,42 +163,41 @@ def plan_transfers(old: Plan, new: Plan, sources: set[str]) -> Migration:
     """
     names = [n.name for n in old.nodes]
     rows = [i for i, name in enumerate(names) if name in sources]
-    # [holder, expert] per layer, from the counts the plan keeps (no pass over its slots).
-    present = [layer.counts[rows] > 0 for layer in old.layers]
-    return _transfers([names[i] for i in rows], present, new)
+    # [layer, holder, expert], from the counts the plan keeps (no pass over its slots).
+    return _transfers([names[i] for i in rows], old.count_cube[:, rows] > 0, new)
 
 
 def transfers_for(held: Mapping[str, Sequence[set[int]]], new: Plan) -> Migration:
     """Transfers that give every node of ``new`` the experts it lacks, from ``held``: what
     each node able to send holds, per layer (listed and sourced as ``plan_transfers``)."""
     names = list(held)
-    present = [np.zeros((len(names), new.experts), dtype=bool) for _ in new.layers]
+    present = np.zeros((len(new.layers), len(names), new.experts), dtype=bool)
     for i, name in enumerate(names):
         for li, experts in enumerate(held[name]):
-            present[li][i, list(experts)] = True
+            present[li, i, list(experts)] = True
     return _transfers(names, present, new)
 
 
-def _transfers(names: Sequence[str], present: Sequence[np.ndarray], new: Plan) -> Migration:
-    """The transfers from holders ``names`` (``present[l][holder, e]``: holds e in layer l)
+def _transfers(names: Sequence[str], present: np.ndarray, new: Plan) -> Migration:
+    """The transfers from holders ``names`` (``present[l, holder, e]``: holds e in layer l)
     to every node of ``new`` that lacks an expert its slots name."""
     row = {name: i for i, name in enumerate(names)}
     # Destinations' rows among the holders (-1: none; what a holder has, it does not receive).
     had_row = np.array([row.get(n.name, -1) for n in new.nodes], dtype=np.int64)
     experts, num_layers = new.experts, len(new.layers)
-    # [holder, layer, expert], and a last row for row -1: a destination holding nothing.
-    held = np.zeros((len(names) + 1, num_layers, experts), dtype=bool)
-    held[:-1] = np.stack(present, axis=1)
-    has = np.stack([layer.counts for layer in new.layers], axis=1) > 0
-    wants = has & ~held[had_row]  # [destination, layer, expert]
-    # A flat index of the mask, split by hand: several times faster than np.nonzero.
-    flat = np.flatnonzero(wants)
+    # [layer, holder, expert], and a last holder for row -1: a destination holding nothing.
+    held = np.zeros((num_layers, len(names) + 1, experts), dtype=bool)
+    held[:, :-1] = present
+    wants = (new.count_cube > 0) & ~held[:, had_row]  # [layer, destination, expert]
+    # A flat index of the mask in (destination, layer, expert) order, split by hand:
+    # several times faster than np.nonzero.
+    flat = np.flatnonzero(wants.transpose(1, 0, 2))
     dest, at = np.divmod(flat, num_layers * experts)
     layer, expert = np.divmod(at, experts)
     # The (layer, expert) groups something is wanted of, and their holders as one flat list
     # with offsets (only theirs: most groups need nothing).
     wanted, group = np.unique(layer * experts + expert, return_inverse=True)
-    holds = np.concatenate([p.T for p in present])[wanted]  # [wanted group, holder]
+    holds = present[wanted // experts, :, wanted % experts]  # [wanted group, holder]
     count = holds.sum(axis=1)
     start = np.concatenate(([0], np.cumsum(count)[:-1]))
     holder_list = np.append(np.nonzero(holds)[1], -1)  # -1: a sentinel for lost groups
@@ -217,43 +218,88 @@ def _transfers(names: Sequence[str], present: Sequence[np.ndarray], new: Plan) -
     return Migration(transfers, tuple(lost))
 
 
-def map_devices(old: Plan, node: NodeSpec, slots: Sequence[Sequence[int]] | np.ndarray
-                ) -> tuple[int, ...]:
-    """Which of ``node``'s GPUs runs each rank of a plan position, in rank order: the
+def map_devices(old: Plan, nodes: Sequence[NodeSpec], slots: Sequence[Sequence[int]] | np.ndarray
+                ) -> list[tuple[int, ...]]:
+    """Which of each node's GPUs runs each rank of its plan position, in rank order: the
     assignment that keeps the most replicas on the GPU that held them under ``old``.
-    ``slots``: per layer, the position's slots (``node.slots_per_gpu`` per rank), as
-    lists or one [layer, slot] array."""
-    if node.gpus == 1:
-        return node.devices
-    try:
-        i = old.node_index(node.name)
-    except KeyError:
-        return node.devices  # new to the plan: it holds nothing yet
-    before = old.nodes[i]
-    layers, experts = len(old.layers), old.experts
-    # [layer, rank or GPU, slot]: what each rank of the position needs, each GPU held.
-    wanted = np.asarray(slots).reshape(layers, node.gpus, node.slots_per_gpu)
-    had = old.slot_matrix[:, old.slot_offsets[i]:old.slot_offsets[i + 1]].reshape(
-        layers, len(before.devices), before.slots_per_rank)
-    if before.devices == node.devices and np.array_equal(wanted, had):
-        return node.devices  # every GPU keeps its ranks' slots
-    # Each (layer, expert) as one code; a rank's codes sorted, each counted once.
-    code = (np.arange(layers) * experts)[:, None, None]
-    needs = (wanted + code).transpose(1, 0, 2).reshape(node.gpus, -1)
-    needs.sort(axis=1)
-    first = np.ones(needs.shape, dtype=bool)
-    first[:, 1:] = needs[:, 1:] != needs[:, :-1]
-    holds = np.zeros((len(before.devices), layers * experts), dtype=bool)
-    holds[np.arange(len(before.devices))[:, None],
-          (had + code).transpose(1, 0, 2).reshape(len(before.devices), -1)] = True
-    kept = (holds[:, needs] & first).sum(axis=2).T  # [rank, GPU held before]
-    row = {d: k for k, d in enumerate(before.devices)}
-    gain = np.zeros((node.gpus, node.gpus), dtype=np.int64)
-    for column, d in enumerate(node.devices):
+    ``slots``: [layer, slot], every position's slots in node order (``slots_per_gpu`` per
+    rank). Nodes of one shape are weighed together: one node at a time was a tenth of a
+    re-plan at 1,024 GPUs."""
+    slots = np.asarray(slots, dtype=np.int64)
+    out = [n.devices for n in nodes]
+    starts = np.concatenate(([0], np.cumsum([n.slots for n in nodes]))).tolist()
+    shapes: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for q, node in enumerate(nodes):
+        if node.gpus == 1:
+            continue
+        try:
+            i = old.node_index(node.name)
+        except KeyError:
+            continue  # new to the plan: it holds nothing yet
+        before = old.nodes[i]
+        shape = (node.gpus, node.slots_per_gpu, len(before.devices), before.slots_per_rank)
+        shapes.setdefault(shape, []).append((q, i))
+    for (g, s, held_gpus, held_slots), group in shapes.items():
+        # [node, layer, rank or GPU, slot]: what each rank of a position needs, each GPU held.
+        wanted = _columns(slots, [starts[q] for q, _ in group], g * s).reshape(
+            len(group), len(old.layers), g, s)
+        had = _columns(old.slot_matrix, [old.slot_offsets[i] for _, i in group],
+                       held_gpus * held_slots).reshape(len(group), len(old.layers), held_gpus,
+                                                       held_slots)
+        # owner[node, layer * experts + e]: the GPUs that held e, one bit each.
+        bits = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64)
+                    if np.dtype(t).itemsize * 8 >= held_gpus)
+        cells = len(old.layers) * old.experts
+        base = (np.arange(len(group)) * cells)[:, None, None] + (
+            np.arange(len(old.layers)) * old.experts)[None, :, None]
+        owner = np.zeros(len(group) * cells, dtype=bits)
+        for h in range(held_gpus):
+            owner[(had[:, :, h] + base).ravel()] |= bits(1 << h)
+        holders = owner[wanted + base[..., None]]  # [node, layer, rank, slot]
+        # A replica a rank needs twice in a layer is kept once.
+        for i in range(1, s):
+            holders[..., i][(wanted[..., :i] == wanted[..., i:i + 1]).any(axis=-1)] = 0
+        # kept[node, rank, GPU held]: the replicas a rank needs that the GPU holds, counted
+        # by the byte values of ``holders`` per rank (a count of each value, then its bits).
+        ranks = (np.arange(len(group))[:, None, None, None] * g
+                 + np.arange(g)[None, None, :, None])
+        ranks = np.broadcast_to(ranks, holders.shape).ravel()
+        by_byte = holders.view(np.uint8).reshape(holders.size, -1)
+        kept = np.concatenate(
+            [np.bincount(ranks * 256 + by_byte[:, b], minlength=len(group) * g * 256)
+             .reshape(-1, 256) @ _BITS for b in range(by_byte.shape[1])],
+            axis=1)[:, :held_gpus].reshape(len(group), g, held_gpus)
+        # Positions whose GPUs each keep more of their own rank than any other (or all of
+        # it) keep their devices: the one optimum, found without an assignment.
+        same = np.array([nodes[q].devices == old.nodes[i].devices for q, i in group])
+        if (g, s) == (held_gpus, held_slots):
+            diagonal = np.diagonal(kept, axis1=1, axis2=2)
+            off = np.where(np.eye(g, dtype=bool), -1, kept).max(axis=2)
+            same &= (diagonal > off).all(axis=1) | (wanted == had).all(axis=(1, 2, 3))
+        else:
+            same[:] = False
+        for m, (q, i) in enumerate(group):
+            if not same[m]:
+                out[q] = _assigned(nodes[q].devices, old.nodes[i].devices, kept[m])
+    return out
+
+
+def _columns(matrix: np.ndarray, starts: Sequence[int], width: int) -> np.ndarray:
+    """[node, layer, slot]: ``width`` columns of ``matrix`` from each of ``starts``."""
+    index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width)
+    return matrix[:, index].transpose(1, 0, 2)
+
+
+def _assigned(devices: tuple[int, ...], before: tuple[int, ...], kept: np.ndarray
+              ) -> tuple[int, ...]:
+    """The GPUs of ``devices`` for a position's ranks, given ``kept[rank, GPU of before]``."""
+    row = {d: k for k, d in enumerate(before)}
+    gain = np.zeros((len(devices), len(devices)), dtype=np.int64)
+    for column, d in enumerate(devices):
         if d in row:
             gain[:, column] = kept[:, row[d]]
 
     from scipy.optimize import linear_sum_assignment  # lazily, as in map_nodes_optimal
 
     ranks, columns = linear_sum_assignment(-gain)
-    return tuple(node.devices[c] for _, c in sorted(zip(ranks, columns)))
+    return tuple(devices[c] for _, c in sorted(zip(ranks, columns)))

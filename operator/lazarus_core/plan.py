@@ -198,6 +198,17 @@ class Plan:
         return np.stack([layer.flat for layer in self.layers])
 
     @cached_property
+    def count_cube(self) -> np.ndarray:
+        """[layer, node, expert]: every layer's ``counts`` as one array (the one they are
+        views of, where the layers were made together by ``LayerPlan.from_slots``)."""
+        batches = [layer.__dict__.get("_batch") for layer in self.layers]
+        if batches and all(b is not None and b[0] is batches[0][0] and b[1] == li
+                           for li, b in enumerate(batches)) \
+                and len(batches[0][0].slots) == len(self.layers):
+            return batches[0][0].counts
+        return np.stack([layer.counts for layer in self.layers])
+
+    @cached_property
     def slot_offsets(self) -> tuple[int, ...]:
         """Where each node's slots start in ``slot_matrix``, and where the last ends."""
         return tuple(np.concatenate(([0], np.cumsum([n.slots for n in self.nodes]))).tolist())

@@ -139,7 +139,7 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
 def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
     """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
     ``ordered``, or 0 when a node of that core is gone."""
-    anchors = anchors_of_presence([layer.counts.T > 0 for layer in old.layers],
+    anchors = anchors_of_presence((old.count_cube > 0).transpose(0, 2, 1),
                                   [layer.replicas for layer in old.layers],
                                   largest_core(len(ordered)))
     position = {n.name: q for q, n in enumerate(ordered)}
@@ -158,9 +158,7 @@ def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> np
     rows = [index.get(n.name, -1) if n.name in sources else -1 for n in ordered]
     held = np.array([i >= 0 for i in rows])
     out = np.zeros((len(old.layers), len(ordered), old.experts), dtype=np.int16)
-    take = np.array(rows)[held]
-    for li, layer in enumerate(old.layers):
-        out[li, held] = layer.counts[take]
+    out[:, held] = old.count_cube[:, np.array(rows)[held]]
     return out
 
 
@@ -207,13 +205,9 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
             [lambda option=option: fill(*option) for option in options], weights, gpus, slots)
         replicas = fill_counts(placements, old.experts).tolist()
     # Each rank of a node is played by the GPU of that node that holds most of what it needs.
-    if isinstance(placements, np.ndarray):
-        bounds = np.concatenate(([0], np.cumsum([n.slots for n in ordered]))).tolist()
-        devices = [map_devices(old, node, placements[:, bounds[q]:bounds[q + 1]])
-                   for q, node in enumerate(ordered)]
-    else:
-        devices = [map_devices(old, node, [p[q] for p in placements])
-                   for q, node in enumerate(ordered)]
+    if not isinstance(placements, np.ndarray):
+        placements = np.array([np.concatenate(p) for p in placements], dtype=np.int64)
+    devices = map_devices(old, ordered, placements)
     plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
                       old.policy, old.generation + 1, reason, max_failures, devices)
     return Replan(plan, plan_transfers(old, plan, sources))

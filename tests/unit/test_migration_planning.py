@@ -134,13 +134,13 @@ def test_ranks_stay_on_the_gpus_that_hold_what_they_need():
     old = _gpu_plan([[0, 1], [2, 2]])
     node = NodeSpec("a", gpus=2, slots_per_gpu=1)
     # The position wants expert 1 on its first rank and 0 on its second: GPU 1, then GPU 0.
-    assert map_devices(old, node, [[1, 0]]) == (1, 0)
-    assert map_devices(old, node, [[0, 1]]) == (0, 1)  # unchanged: each GPU keeps its rank
+    assert map_devices(old, [node], [[1, 0]]) == [(1, 0)]
+    assert map_devices(old, [node], [[0, 1]]) == [(0, 1)]  # unchanged: each GPU keeps its rank
     swapped = _gpu_plan([[0, 1], [2, 2]], devices=(1, 0))  # GPU 1 held expert 0
-    assert map_devices(swapped, node, [[0, 1]]) == (1, 0)
+    assert map_devices(swapped, [node], [[0, 1]]) == [(1, 0)]
     # After GPU 0 failed, the node's one rank runs on GPU 1, whatever the position wants.
-    assert map_devices(old, node.without_gpus({0}), [[0]]) == (1,)
-    assert map_devices(old, NodeSpec("new", gpus=2), [[0, 1]]) == (0, 1)  # held nothing
+    assert map_devices(old, [node.without_gpus({0})], [[0]]) == [(1,)]
+    assert map_devices(old, [NodeSpec("new", gpus=2)], [[0, 1]]) == [(0, 1)]  # held nothing
 
 
 def test_a_lost_gpu_re_plans_its_node_on_the_gpus_left_and_moves_only_what_they_lack():
@@ -173,3 +173,50 @@ def test_a_rebalance_balances_every_layer_not_only_the_most_fragile():
                    max_failures=2).plan
     assert busiest_rank(after, loads) <= BALANCE_TARGET
     assert after.recovery["1"] == 1.0
+
+
+def test_each_node_of_a_mixed_cluster_gets_the_best_gpu_assignment():
+    """Nodes of several shapes in one call, checked against every assignment of each."""
+    import random
+    from itertools import permutations
+
+    from lazarus_core.migration import map_devices
+    from lazarus_core.plan import LayerPlan, Plan, PlanNode
+
+    rng = random.Random(7)
+    for trial in range(30):
+        experts, layers = 5, 2
+        shapes = [(rng.randint(2, 4), rng.randint(1, 3)) for _ in range(4)]
+        plan_nodes, rank = [], 0
+        for i, (gpus, per) in enumerate(shapes):
+            devices = tuple(rng.sample(range(gpus), gpus))
+            plan_nodes.append(PlanNode(f"n{i}", tuple(range(rank, rank + gpus)), per,
+                                       devices=devices))
+            rank += gpus
+        slots = sum(g * p for g, p in shapes)
+        held = [[rng.randrange(experts) for _ in range(slots)] for _ in range(layers)]
+        cut = [0]
+        for g, p in shapes:
+            cut.append(cut[-1] + g * p)
+        old = Plan(generation=1, experts=experts, min_replicas=1, policy="mro",
+                   nodes=tuple(plan_nodes),
+                   layers=tuple(LayerPlan(tuple(row.count(e) for e in range(experts)),
+                                          tuple(tuple(row[a:b]) for a, b in zip(cut, cut[1:])))
+                                for row in held))
+        nodes = [NodeSpec(f"n{i}", g, p) for i, (g, p) in enumerate(shapes)]
+        wanted = [[rng.randrange(experts) for _ in range(slots)] for _ in range(layers)]
+        got = map_devices(old, nodes, wanted)
+
+        def kept(i, order):
+            g, p = shapes[i]
+            total = 0
+            for li in range(layers):
+                for r, d in enumerate(order):
+                    need = set(wanted[li][cut[i] + r * p:cut[i] + (r + 1) * p])
+                    gpu = plan_nodes[i].devices.index(d)
+                    total += len(need & set(held[li][cut[i] + gpu * p:cut[i] + (gpu + 1) * p]))
+            return total
+
+        for i, (g, _) in enumerate(shapes):
+            assert sorted(got[i]) == list(range(g)), trial
+            assert kept(i, got[i]) == max(kept(i, o) for o in permutations(range(g))), trial

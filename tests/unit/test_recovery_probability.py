@@ -1,11 +1,12 @@
 import math
 from itertools import combinations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from lazarus_core import recovery
-from lazarus_core.recovery import minimal_sets, recovery_probability, zone_survival
+from lazarus_core.recovery import masks_of, minimal_sets, recovery_probability, zone_survival
 
 
 def _brute_force(layers, k):
@@ -57,6 +58,15 @@ def test_large_clusters_stay_exact_under_mro_structure():
     assert got.exact
     fail = 2 * math.comb(126, 3) - math.comb(124, 1)  # either pair, minus both
     assert got.probability == pytest.approx(1 - fail / math.comb(128, 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 200).flatmap(lambda n: st.lists(
+    st.lists(st.booleans(), min_size=n, max_size=n), min_size=1, max_size=6)))
+def test_masks_have_one_bit_per_node_at_any_width(rows):
+    # Widths around 64 cross the 64-bit words the masks are joined from.
+    present = np.array(rows, dtype=bool).reshape(len(rows), -1)
+    assert masks_of(present) == [sum(1 << i for i, held in enumerate(r) if held) for r in rows]
 
 
 def test_only_minimal_sets_are_kept():
