@@ -27,6 +27,9 @@ from .recovery import masks_of, minimal_rows
 
 Placement = list[list[int]]
 
+# Work bound of ``toward_holders`` (each trade copies at least one replica fewer).
+TRADES_PER_SIZE = 256
+
 
 @dataclass(frozen=True)
 class LayerAnchors:
@@ -98,11 +101,10 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
     replica counts, the heavier goes first and to the lighter core.
     """
     family = sorted({c for c in template.cores if c}, key=lambda m: (m.bit_count(), m))
-    template_rank = _ranked(template.replicas, template_weights)
+    template_rank = _ranked([template.replicas], [template_weights])[0]
     template_sorted = [template.replicas[e] for e in template_rank]
     out = []
-    for li, replicas in enumerate(layers):
-        experts = _ranked(replicas, weights[li])
+    for li, (replicas, experts) in enumerate(zip(layers, _ranked(layers, weights))):
         if [replicas[e] for e in experts] == template_sorted:
             cores = [0] * len(replicas)
             for e, t in zip(experts, template_rank):
@@ -113,8 +115,14 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
     return out
 
 
-def _ranked(replicas: Sequence[int], weights: Sequence[float]) -> list[int]:
-    return sorted(range(len(replicas)), key=lambda e: (replicas[e], -weights[e], e))
+def _ranked(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]]
+            ) -> list[list[int]]:
+    """Each layer's experts, fewest replicas first, then the heaviest, then by id (one sort
+    for every layer)."""
+    r = np.asarray(layers, dtype=np.int64).reshape(len(layers), -1)
+    w = np.asarray(weights, dtype=np.float64).reshape(r.shape)
+    return np.lexsort((np.broadcast_to(np.arange(r.shape[1]), r.shape), -w, r),
+                      axis=-1).tolist()
 
 
 def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: Sequence[int],
@@ -131,8 +139,8 @@ def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: S
     tries so where the recovery-best structure leaves the ranks out of balance, and takes it
     only if it recovers as well).
     """
-    anchors = _anchor(replicas, weights, sorted(family, key=_size_first), slots, largest,
-                      sharing=sharing)
+    anchors = _anchor(replicas, weights, _ranked([replicas], [weights])[0],
+                      sorted(family, key=_size_first), slots, largest, sharing=sharing)
     return balance_within(anchors, weights, len(slots))
 
 
@@ -145,17 +153,19 @@ def repair(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
     hold the expert already (``holders[l][e]``, a mask). New cores join the family that
     later layers share."""
     family = sorted({c for cores in previous for c in cores if c}, key=_size_first)
-    return [_anchor(r, w, family, slots, largest, p, h)
-            for r, w, p, h in zip(layers, weights, previous, holders)]
+    return [_anchor(r, w, order, family, slots, largest, p, h)
+            for r, w, order, p, h in zip(layers, weights, _ranked(layers, weights), previous,
+                                         holders)]
 
 
 def _size_first(mask: int) -> tuple[int, int]:
     return mask.bit_count(), mask
 
 
-def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=None,
-            holders=None, sharing: int | None = None) -> LayerAnchors:
-    """The greedy of ``anchor_greedily``; ``family`` (sorted) grows with each new core.
+def _anchor(replicas, weights, order: Sequence[int], family: list[int], slots, largest: int,
+            previous=None, holders=None, sharing: int | None = None) -> LayerAnchors:
+    """The greedy of ``anchor_greedily``, visiting experts in ``order`` (``_ranked``);
+    ``family`` (sorted) grows with each new core.
 
     Experts whose previous core still fits go first, so that the others cannot take the
     room they need on it."""
@@ -184,7 +194,6 @@ def _anchor(replicas, weights, family: list[int], slots, largest: int, previous=
             if not room[i]:
                 full |= 1 << i
 
-    order = _ranked(replicas, weights)
     if previous is not None:
         cap = min(n, largest)
         kept = [e for e in order
@@ -300,6 +309,63 @@ def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> L
             cores[e] = core
             for i in nodes_of(core):
                 load[i] += weights[e]
+    return LayerAnchors(anchors.replicas, tuple(cores))
+
+
+def toward_holders(anchors: LayerAnchors, weights: Sequence[float], held: np.ndarray,
+                   slots: Sequence[int], target: float) -> LayerAnchors:
+    """The same cores, each anchoring as many experts, with experts of one core size traded
+    between cores where that puts more anchors on nodes that hold the expert already
+    (``held[node, e]``), so a re-plan copies fewer replicas. As in ``balance_within``, the
+    failure sets stay exactly the same.
+
+    A trade is taken only while no node's anchored load per slot (``weights[e]`` a
+    replica) passes the larger of the busiest now and ``target`` times the layer's mean:
+    the fill balances only the free replicas, so the anchors decide most of it. The
+    largest gain first, up to ``TRADES_PER_SIZE`` trades per core size.
+    """
+    n = len(slots)
+    w = np.asarray(weights, dtype=np.float64)
+    room = np.asarray(slots, dtype=np.float64)
+    cores = list(anchors.cores)
+    load = np.zeros(n)
+    for e, c in enumerate(cores):
+        load[nodes_of(c)] += w[e]
+    total = float(np.dot(w, anchors.replicas))
+    cap = max(float((load / room).max()), target * total / room.sum()) + 1e-12
+    for size in sorted({c.bit_count() for c in cores if c}):
+        group = np.array([e for e, c in enumerate(cores) if c.bit_count() == size])
+        distinct = sorted({cores[e] for e in group})
+        if len(distinct) < 2:
+            continue
+        on = np.zeros((len(distinct), n), dtype=bool)  # [core, node]
+        for j, c in enumerate(distinct):
+            on[j, nodes_of(c)] = True
+        which = np.array([distinct.index(cores[e]) for e in group])
+        # missing[a, j]: nodes of core j that lack expert group[a] (each one a copy).
+        missing = size - held[:, group].T.astype(np.int64) @ on.T.astype(np.int64)
+        fewest = room[None, :].repeat(len(distinct), 0)
+        fewest = np.where(on, fewest, np.inf).min(axis=1)
+        ga = w[group]
+        for _ in range(TRADES_PER_SIZE):
+            now = missing[np.arange(len(group)), which]
+            gain = (now[:, None] + now[None, :] - missing[:, which].T - missing[:, which])
+            # Group a's expert takes b's core and b's takes a's: a's nodes change by d.
+            d = ga[None, :] - ga[:, None]
+            top = np.where(on, load / room, -np.inf).max(axis=1)
+            fits = ((top[which][:, None] + np.maximum(d, 0) / fewest[which][:, None] <= cap)
+                    & (top[which][None, :] + np.maximum(-d, 0) / fewest[which][None, :]
+                       <= cap))
+            gain = np.where(fits & (which[:, None] != which[None, :]), gain, 0)
+            best = int(np.argmax(gain))
+            if gain.flat[best] <= 0:
+                break
+            a, b = divmod(best, len(group))
+            load[on[which[a]]] += d[a, b]
+            load[on[which[b]]] -= d[a, b]
+            which[a], which[b] = which[b], which[a]
+        for a, e in enumerate(group):
+            cores[e] = distinct[which[a]]
     return LayerAnchors(anchors.replicas, tuple(cores))
 
 

@@ -343,10 +343,18 @@ def filled_balance(placements: np.ndarray, loads: Sequence[Sequence[float]],
                    ranks_per_node: Sequence[int], slots_per_rank: Sequence[int]) -> float:
     """``busiest_rank`` of a [layer, slot] fill (``fill_layers``'s order), with the counts
     it holds."""
+    return max(1.0, float(layer_balance(placements, loads, ranks_per_node,
+                                        slots_per_rank).max(initial=1.0)))
+
+
+def layer_balance(placements: np.ndarray, loads: Sequence[Sequence[float]],
+                  ranks_per_node: Sequence[int], slots_per_rank: Sequence[int]) -> np.ndarray:
+    """Per layer of a [layer, slot] fill: its busiest rank over its mean (1.0 without
+    load)."""
     g = np.asarray(ranks_per_node, dtype=np.int64)
     ranks = np.repeat(np.arange(int(g.sum())), np.repeat(slots_per_rank, g))
-    return _busiest(placements, fill_counts(placements, len(loads[0])), loads, ranks,
-                    int(g.sum()))
+    return _per_layer(placements, fill_counts(placements, len(loads[0])), loads, ranks,
+                      int(g.sum()))
 
 
 def fill_counts(placements: np.ndarray, experts: int) -> np.ndarray:
@@ -359,6 +367,12 @@ def fill_counts(placements: np.ndarray, experts: int) -> np.ndarray:
 
 def _busiest(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
              num_ranks: int) -> float:
+    return max(1.0, float(_per_layer(slots, replicas, loads, rank_of_slot,
+                                     num_ranks).max(initial=1.0)))
+
+
+def _per_layer(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
+               num_ranks: int) -> np.ndarray:
     t = np.asarray(loads, dtype=np.float64)
     r = np.asarray(replicas, dtype=np.float64)
     w = np.divide(t, r, out=np.zeros_like(t), where=r > 0)
@@ -367,8 +381,7 @@ def _busiest(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
     per_rank = np.bincount((np.arange(num_layers)[:, None] * num_ranks + rank_of_slot).ravel(),
                            weights=per_slot.ravel(),
                            minlength=num_layers * num_ranks).reshape(num_layers, num_ranks)
+    ratios = np.ones(num_layers)
     loaded = t.sum(axis=1) > 0
-    if not loaded.any():
-        return 1.0
-    ratios = per_rank[loaded].max(axis=1) / per_rank[loaded].mean(axis=1)
-    return max(1.0, float(ratios.max()))
+    ratios[loaded] = per_rank[loaded].max(axis=1) / per_rank[loaded].mean(axis=1)
+    return ratios

@@ -18,9 +18,10 @@ import numpy as np
 
 from .anchor_search import best_anchors, cores_key, largest_core, scored_failures
 from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, balance_within,
-                      repair)
+                      repair, toward_holders)
 from .allocation import even_out
-from .balance import BALANCE_TARGET, fill_counts, fill_layers, filled_balance, first_balanced
+from .balance import (BALANCE_TARGET, fill_counts, fill_layers, filled_balance, first_balanced,
+                      layer_balance)
 from .placement import Placement
 from .plan import split_slots
 from .recovery import fatal_counts
@@ -70,6 +71,40 @@ def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
     weights = per_replica([a.replicas for a in anchors], loads)
     return fill_layers([a.replicas for a in anchors], anchored_replicas(anchors), weights,
                        g, [c // k for c, k in zip(slots, g)], references, trade)
+
+
+def place_toward_holders(anchors: Sequence[LayerAnchors], slots: Sequence[int],
+                         loads: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
+                         references: np.ndarray, trade: bool) -> np.ndarray:
+    """``place_anchored`` of a fresh structure on a re-plan (``references[l][node, e]``:
+    what the node now at each position holds): every layer filled as built and with its
+    experts traded between equal cores towards the nodes that hold them
+    (``anchors.toward_holders``), the traded fill kept where it copies no more replicas
+    and its ranks stay within ``BALANCE_TARGET`` or no worse than as built."""
+    weights = per_replica([a.replicas for a in anchors], loads).tolist()
+    nearer = [toward_holders(a, w, h, slots, BALANCE_TARGET)
+              for a, w, h in zip(anchors, weights, references)]
+    fills = [place_anchored(made, slots, loads, ranks_per_node, references, trade)
+             for made in (anchors, nearer)]
+    g = list(ranks_per_node)
+    per_rank = [c // k for c, k in zip(slots, g)]
+    built, traded = (layer_balance(f, loads, g, per_rank) for f in fills)
+    keep = ((copies(fills[1], references, slots) <= copies(fills[0], references, slots))
+            & (traded <= np.maximum(built, BALANCE_TARGET)))
+    return np.where(keep[:, None], fills[1], fills[0])
+
+
+def copies(placements: np.ndarray, references: np.ndarray, slots: Sequence[int]) -> np.ndarray:
+    """Per layer of a [layer, slot] fill: the (node, expert) pairs it needs that the node
+    does not hold (``references[l][node, e]``), each one transfer."""
+    num_layers, experts = len(placements), np.asarray(references).shape[2]
+    node = np.repeat(np.arange(len(slots)), slots)
+    cell = (np.arange(num_layers)[:, None] * len(slots) + node[None, :]) * experts + placements
+    needed = np.zeros(num_layers * len(slots) * experts, dtype=bool)
+    needed[cell.ravel()] = True
+    lacking = needed.reshape(num_layers, -1) & (np.asarray(references).reshape(num_layers, -1)
+                                                == 0)
+    return lacking.sum(axis=1)
 
 
 def per_replica(replicas, loads) -> np.ndarray:

@@ -12,7 +12,7 @@ from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
 from .balance import fill_counts, first_balanced
-from .mro import mro, place_anchored, restructure, structure
+from .mro import mro, place_anchored, place_toward_holders, restructure, structure
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
 from .recovery import masks_of, recovery_table
@@ -194,12 +194,15 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
 
         def fill(make, fresh):
-            anchors, on, held = make(), ordered, references
-            if fresh:  # built on positions: the nodes that hold its anchors play them
-                on = map_anchors(anchors, ordered, references)
-                held = _references(old, on, sources)
-            return on, place_anchored(anchors, slots, weights, gpus, held,
-                                      trade=loads is not None)
+            anchors = make()
+            if not fresh:
+                return ordered, place_anchored(anchors, slots, weights, gpus, references,
+                                               trade=loads is not None)
+            # Built on positions: the nodes that hold its anchors play them.
+            on = map_anchors(anchors, ordered, references)
+            return on, place_toward_holders(anchors, slots, weights, gpus,
+                                            _references(old, on, sources),
+                                            trade=loads is not None)
 
         ordered, placements = first_balanced(
             [lambda option=option: fill(*option) for option in options], weights, gpus, slots)

@@ -1,4 +1,9 @@
+import random
+from collections import Counter
+
+import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from lazarus_core.balance import BALANCE_TARGET, busiest_rank
 from lazarus_core.migration import holdings, map_nodes_greedy, map_nodes_optimal, plan_transfers
@@ -177,7 +182,6 @@ def test_a_rebalance_balances_every_layer_not_only_the_most_fragile():
 
 def test_each_node_of_a_mixed_cluster_gets_the_best_gpu_assignment():
     """Nodes of several shapes in one call, checked against every assignment of each."""
-    import random
     from itertools import permutations
 
     from lazarus_core.migration import map_devices
@@ -220,3 +224,77 @@ def test_each_node_of_a_mixed_cluster_gets_the_best_gpu_assignment():
         for i, (g, _) in enumerate(shapes):
             assert sorted(got[i]) == list(range(g)), trial
             assert kept(i, got[i]) == max(kept(i, o) for o in permutations(range(g))), trial
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**6))
+def test_trading_equal_cores_toward_holders_keeps_every_failure_set(seed):
+    """Random anchors on random nodes: the cores used, and how often, stay exactly the
+    same (so do the failure sets), no expert changes core size, fewer or as many anchors
+    miss their node, and no node's anchored load per slot passes the cap."""
+    from lazarus_core.anchors import LayerAnchors, nodes_of, toward_holders
+
+    rng = random.Random(seed)
+    n, experts = rng.randint(3, 8), rng.randint(2, 12)
+    slots = [rng.randint(2, 5) for _ in range(n)]
+    room = list(slots)
+    cores, replicas = [], []
+    for _ in range(experts):
+        size = rng.randint(1, min(3, n))
+        open_nodes = [i for i in range(n) if room[i]]
+        if len(open_nodes) < size:
+            cores.append(0)
+            replicas.append(0)
+            continue
+        chosen = rng.sample(open_nodes, size)
+        for i in chosen:
+            room[i] -= 1
+        cores.append(sum(1 << i for i in chosen))
+        replicas.append(size + rng.randint(0, 2))
+    weights = [rng.random() for _ in range(experts)]
+    held = np.array([[rng.random() < 0.4 for _ in range(experts)] for _ in range(n)])
+    before = LayerAnchors(tuple(replicas), tuple(cores))
+    after = toward_holders(before, weights, held, slots, 1.05)
+
+    def missing(a):
+        return sum(1 for e, c in enumerate(a.cores) for i in nodes_of(c) if not held[i, e])
+
+    def per_slot(a):
+        load = np.zeros(n)
+        for e, c in enumerate(a.cores):
+            load[nodes_of(c)] += weights[e]
+        return load / np.array(slots)
+
+    assert Counter(after.cores) == Counter(before.cores)
+    assert [c.bit_count() for c in after.cores] == [c.bit_count() for c in before.cores]
+    assert missing(after) <= missing(before)
+    cap = max(per_slot(before).max(),
+              1.05 * float(np.dot(weights, replicas)) / sum(slots))
+    assert per_slot(after).max() <= cap + 1e-9
+
+
+def test_a_fresh_structure_after_a_loss_copies_less_than_as_built(monkeypatch):
+    """The paper's setting loses 4 of 10 nodes: the re-plan builds a fresh structure, and
+    trading its equal cores toward the survivors' replicas copies fewer replicas, with the
+    same recovery and every rank still within the balance target."""
+    import lazarus_core.mro as mro_module
+    from lazarus_core.recovery import recovery_probability
+
+    nodes = [NodeSpec(f"n{i}", 1, 6, zone=f"z{i % 4}") for i in range(10)]
+    loads = [[1 / (((e + l) % 16) + 1) for e in range(16)] for l in range(12)]
+    old = plan_job(nodes, 16, 12, 2, loads=loads, max_failures=0)
+    survivors = [n for n in nodes if n.name not in {"n1", "n4", "n6", "n8"}]
+    names = {n.name for n in survivors}
+
+    def outcome():
+        result = replan(old, survivors, "NodeLost", names, loads, max_failures=0)
+        layers = [[list(s) for s in layer.placement] for layer in result.plan.layers]
+        return (result.migration.experts_migrated, busiest_rank(result.plan, loads),
+                recovery_probability(layers, 2).probability)
+
+    traded = outcome()
+    monkeypatch.setattr(mro_module, "toward_holders", lambda anchors, *_: anchors)
+    built = outcome()
+    assert traded[0] < built[0]
+    assert traded[1] <= BALANCE_TARGET and built[1] <= BALANCE_TARGET
+    assert traded[2] == built[2]
