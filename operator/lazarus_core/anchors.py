@@ -344,25 +344,32 @@ def toward_holders(anchors: LayerAnchors, weights: Sequence[float], held: np.nda
         which = np.array([distinct.index(cores[e]) for e in group])
         # missing[a, j]: nodes of core j that lack expert group[a] (each one a copy).
         missing = size - held[:, group].T.astype(np.int64) @ on.T.astype(np.int64)
-        fewest = room[None, :].repeat(len(distinct), 0)
-        fewest = np.where(on, fewest, np.inf).min(axis=1)
+        fewest = np.where(on, room[None, :], np.inf).min(axis=1)  # slots, per core
         ga = w[group]
         for _ in range(TRADES_PER_SIZE):
             now = missing[np.arange(len(group)), which]
-            gain = (now[:, None] + now[None, :] - missing[:, which].T - missing[:, which])
-            # Group a's expert takes b's core and b's takes a's: a's nodes change by d.
-            d = ga[None, :] - ga[:, None]
+            # A trade gains only if one of its two experts misses a node now: rows are
+            # those experts, columns every expert of the size.
+            rows = np.flatnonzero(now)
+            if not len(rows):
+                break
+            gain = (now[rows, None] + now[None, :] - missing[rows][:, which]
+                    - missing[:, which[rows]].T)
+            # Row a's expert takes b's core and b's takes a's: a's nodes change by d.
+            d = ga[None, :] - ga[rows, None]
             top = np.where(on, load / room, -np.inf).max(axis=1)
-            fits = ((top[which][:, None] + np.maximum(d, 0) / fewest[which][:, None] <= cap)
+            fits = ((top[which[rows]][:, None] + np.maximum(d, 0) / fewest[which[rows]][:, None]
+                     <= cap)
                     & (top[which][None, :] + np.maximum(-d, 0) / fewest[which][None, :]
                        <= cap))
-            gain = np.where(fits & (which[:, None] != which[None, :]), gain, 0)
+            gain = np.where(fits & (which[rows, None] != which[None, :]), gain, 0)
             best = int(np.argmax(gain))
             if gain.flat[best] <= 0:
                 break
-            a, b = divmod(best, len(group))
-            load[on[which[a]]] += d[a, b]
-            load[on[which[b]]] -= d[a, b]
+            row, b = divmod(best, len(group))
+            a = rows[row]
+            load[on[which[a]]] += d[row, b]
+            load[on[which[b]]] -= d[row, b]
             which[a], which[b] = which[b], which[a]
         for a, e in enumerate(group):
             cores[e] = distinct[which[a]]

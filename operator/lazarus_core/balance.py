@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .count_trading import trade_counts
+from .count_trading import layer_budget, trade_counts
 
 Placement = list[list[int]]
 
@@ -157,7 +157,8 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         for li in over:
             placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
                                       final_home[li], w[li] * r[li], rank_slots[:num_ranks],
-                                      int(r[li].min()), BALANCED_ENOUGH)
+                                      int(r[li].min()), BALANCED_ENOUGH,
+                                      layer_budget(len(over)))
     return placed
 
 

@@ -77,21 +77,30 @@ def place_toward_holders(anchors: Sequence[LayerAnchors], slots: Sequence[int],
                          loads: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
                          references: np.ndarray, trade: bool) -> np.ndarray:
     """``place_anchored`` of a fresh structure on a re-plan (``references[l][node, e]``:
-    what the node now at each position holds): every layer filled as built and with its
-    experts traded between equal cores towards the nodes that hold them
-    (``anchors.toward_holders``), the traded fill kept where it copies no more replicas
-    and its ranks stay within ``BALANCE_TARGET`` or no worse than as built."""
+    what the node now at each position holds): every layer filled as built and, where its
+    experts trade equal cores towards the nodes that hold them (``anchors.toward_holders``),
+    filled again so traded; the traded fill is kept where it copies no more replicas and
+    its ranks stay within ``BALANCE_TARGET`` or no worse than as built."""
     weights = per_replica([a.replicas for a in anchors], loads).tolist()
-    nearer = [toward_holders(a, w, h, slots, BALANCE_TARGET)
-              for a, w, h in zip(anchors, weights, references)]
-    fills = [place_anchored(made, slots, loads, ranks_per_node, references, trade)
-             for made in (anchors, nearer)]
+    built = place_anchored(anchors, slots, loads, ranks_per_node, references, trade)
+    nearer = {li: toward_holders(a, w, h, slots, BALANCE_TARGET)
+              for li, (a, w, h) in enumerate(zip(anchors, weights, references))}
+    changed = [li for li, a in nearer.items() if a != anchors[li]]
+    if not changed:
+        return built
+    # Only the layers whose anchors changed are filled again.
+    layer_loads, held = [loads[li] for li in changed], np.asarray(references)[changed]
+    traded = place_anchored([nearer[li] for li in changed], slots, layer_loads,
+                            ranks_per_node, held, trade)
     g = list(ranks_per_node)
     per_rank = [c // k for c, k in zip(slots, g)]
-    built, traded = (layer_balance(f, loads, g, per_rank) for f in fills)
-    keep = ((copies(fills[1], references, slots) <= copies(fills[0], references, slots))
-            & (traded <= np.maximum(built, BALANCE_TARGET)))
-    return np.where(keep[:, None], fills[1], fills[0])
+    keep = ((copies(traded, held, slots) <= copies(built[changed], held, slots))
+            & (layer_balance(traded, layer_loads, g, per_rank)
+               <= np.maximum(layer_balance(built[changed], layer_loads, g, per_rank),
+                             BALANCE_TARGET)))
+    out = built.copy()
+    out[np.asarray(changed)[keep]] = traded[keep]
+    return out
 
 
 def copies(placements: np.ndarray, references: np.ndarray, slots: Sequence[int]) -> np.ndarray:
@@ -335,7 +344,11 @@ class _Shape:
         self.options = [o for o, _ in options.values()]
         if _settled(self.options, n):
             return _variant(_ranked(self.options, n)[0])
-        options = {key: self.option(key, trade=True) for key in options}
+        # Only options as good on recovery as the best can be taken: only they are filled
+        # again with trading (the others keep their untraded fill).
+        best = min(o[0] for o, _ in options.values())
+        options = {key: self.option(key, trade=True) if _within(o[0], best, n) else (o, t)
+                   for key, (o, t) in options.items()}
         ends: dict[tuple[int, int], tuple[int, int]] = {}
 
         def explore(key: tuple[int, int]) -> None:

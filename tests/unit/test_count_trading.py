@@ -4,7 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazarus_core.count_trading import trade_counts
+from lazarus_core.count_trading import (FILL_EVALUATIONS, MAX_EVALUATIONS, layer_budget,
+                                         trade_counts)
 
 
 def rank_loads(experts, rank_of_slot, loads, num_ranks):
@@ -13,14 +14,15 @@ def rank_loads(experts, rank_of_slot, loads, num_ranks):
     return np.bincount(rank_of_slot, weights=per_replica[experts], minlength=num_ranks)
 
 
-def trade(experts, ranks, loads, home=None, min_replicas=1, rank_node=None):
+def trade(experts, ranks, loads, home=None, min_replicas=1, rank_node=None,
+          budget=MAX_EVALUATIONS):
     experts, ranks = np.asarray(experts), np.asarray(ranks)
     num_ranks = int(ranks.max()) + 1
     home = np.full(len(experts), -1) if home is None else np.asarray(home)
     rank_node = np.arange(num_ranks) if rank_node is None else np.asarray(rank_node)
     slots = np.bincount(ranks, minlength=num_ranks)
     return trade_counts(experts, ranks, rank_node, home, np.asarray(loads, dtype=float),
-                        slots, min_replicas, 1.0)
+                        slots, min_replicas, 1.0, budget)
 
 
 def test_a_replica_of_a_light_expert_becomes_one_of_the_hot_expert():
@@ -29,6 +31,14 @@ def test_a_replica_of_a_light_expert_becomes_one_of_the_hot_expert():
     out = trade([0, 1, 1], [0, 1, 2], [3.0, 1.0])
     assert sorted(np.bincount(out, minlength=2)) == [1, 2]
     assert rank_loads(out, np.arange(3), [3.0, 1.0], 3).max() == 1.5
+
+
+def test_a_trade_does_no_more_work_than_its_budget():
+    # The move above costs one row of rank loads per candidate: with no budget, none is
+    # tried; the layers of one fill share a bound, each at most a lone layer's.
+    assert trade([0, 1, 1], [0, 1, 2], [3.0, 1.0], budget=0).tolist() == [0, 1, 1]
+    assert layer_budget(1) == MAX_EVALUATIONS
+    assert layer_budget(58) * 58 <= FILL_EVALUATIONS < MAX_EVALUATIONS * 58
 
 
 def test_nothing_goes_below_min_replicas():
