@@ -154,11 +154,11 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         # Anchors and, on a re-plan, kept replicas stay what they are: a kept replica
         # traded away is one more transfer.
         final_home = homes[0][0][order].reshape(num_layers, -1)
+        budget = layer_budget(len(over))
         for li in over:
             placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
                                       final_home[li], w[li] * r[li], rank_slots[:num_ranks],
-                                      int(r[li].min()), BALANCED_ENOUGH,
-                                      layer_budget(len(over)))
+                                      int(r[li].min()), BALANCED_ENOUGH, budget)
     return placed
 
 

@@ -220,6 +220,20 @@ def _transfers(names: Sequence[str], present: np.ndarray, new: Plan) -> Migratio
     return Migration(transfers, tuple(lost))
 
 
+def fill_copies(placements: np.ndarray, references: np.ndarray, slots: Sequence[int]) -> np.ndarray:
+    """Per layer of a [layer, slot] fill (nodes in order, ``slots`` each): the (node,
+    expert) pairs it needs that the node does not hold (``references[l][node, e]``), each
+    one transfer as ``plan_transfers`` lists them, counted before there is a plan."""
+    num_layers, experts = len(placements), np.asarray(references).shape[2]
+    node = np.repeat(np.arange(len(slots)), slots)
+    cell = (np.arange(num_layers)[:, None] * len(slots) + node[None, :]) * experts + placements
+    needed = np.zeros(num_layers * len(slots) * experts, dtype=bool)
+    needed[cell.ravel()] = True
+    lacking = needed.reshape(num_layers, -1) & (np.asarray(references).reshape(num_layers, -1)
+                                                == 0)
+    return lacking.sum(axis=1)
+
+
 def map_devices(old: Plan, nodes: Sequence[NodeSpec], slots: Sequence[Sequence[int]] | np.ndarray
                 ) -> list[tuple[int, ...]]:
     """Which of each node's GPUs runs each rank of its plan position, in rank order: the
@@ -273,15 +287,14 @@ def map_devices(old: Plan, nodes: Sequence[NodeSpec], slots: Sequence[Sequence[i
             axis=1)[:, :held_gpus].reshape(len(group), g, held_gpus)
         # Positions whose GPUs each keep more of their own rank than any other (or all of
         # it) keep their devices: the one optimum, found without an assignment.
-        same = np.array([nodes[q].devices == old.nodes[i].devices for q, i in group])
+        settled = np.zeros(len(group), dtype=bool)
         if (g, s) == (held_gpus, held_slots):
             diagonal = np.diagonal(kept, axis1=1, axis2=2)
             off = np.where(np.eye(g, dtype=bool), -1, kept).max(axis=2)
-            same &= (diagonal > off).all(axis=1) | (wanted == had).all(axis=(1, 2, 3))
-        else:
-            same[:] = False
+            settled = ((diagonal > off).all(axis=1) | (wanted == had).all(axis=(1, 2, 3))) & [
+                nodes[q].devices == old.nodes[i].devices for q, i in group]
         for m, (q, i) in enumerate(group):
-            if not same[m]:
+            if not settled[m]:
                 out[q] = _assigned(nodes[q].devices, old.nodes[i].devices, kept[m])
     return out
 

@@ -22,6 +22,7 @@ from .anchors import (LayerAnchors, align, anchor_greedily, anchored_replicas, b
 from .allocation import even_out
 from .balance import (BALANCE_TARGET, fill_counts, fill_layers, filled_balance, first_balanced,
                       layer_balance)
+from .migration import fill_copies
 from .placement import Placement
 from .plan import split_slots
 from .recovery import fatal_counts
@@ -83,9 +84,9 @@ def place_toward_holders(anchors: Sequence[LayerAnchors], slots: Sequence[int],
     its ranks stay within ``BALANCE_TARGET`` or no worse than as built."""
     weights = per_replica([a.replicas for a in anchors], loads).tolist()
     built = place_anchored(anchors, slots, loads, ranks_per_node, references, trade)
-    nearer = {li: toward_holders(a, w, h, slots, BALANCE_TARGET)
-              for li, (a, w, h) in enumerate(zip(anchors, weights, references))}
-    changed = [li for li, a in nearer.items() if a != anchors[li]]
+    nearer = [toward_holders(a, w, h, slots, BALANCE_TARGET)
+              for a, w, h in zip(anchors, weights, references)]
+    changed = [li for li, (a, b) in enumerate(zip(nearer, anchors)) if a != b]
     if not changed:
         return built
     # Only the layers whose anchors changed are filled again.
@@ -94,26 +95,13 @@ def place_toward_holders(anchors: Sequence[LayerAnchors], slots: Sequence[int],
                             ranks_per_node, held, trade)
     g = list(ranks_per_node)
     per_rank = [c // k for c, k in zip(slots, g)]
-    keep = ((copies(traded, held, slots) <= copies(built[changed], held, slots))
+    keep = ((fill_copies(traded, held, slots) <= fill_copies(built[changed], held, slots))
             & (layer_balance(traded, layer_loads, g, per_rank)
                <= np.maximum(layer_balance(built[changed], layer_loads, g, per_rank),
                              BALANCE_TARGET)))
     out = built.copy()
     out[np.asarray(changed)[keep]] = traded[keep]
     return out
-
-
-def copies(placements: np.ndarray, references: np.ndarray, slots: Sequence[int]) -> np.ndarray:
-    """Per layer of a [layer, slot] fill: the (node, expert) pairs it needs that the node
-    does not hold (``references[l][node, e]``), each one transfer."""
-    num_layers, experts = len(placements), np.asarray(references).shape[2]
-    node = np.repeat(np.arange(len(slots)), slots)
-    cell = (np.arange(num_layers)[:, None] * len(slots) + node[None, :]) * experts + placements
-    needed = np.zeros(num_layers * len(slots) * experts, dtype=bool)
-    needed[cell.ravel()] = True
-    lacking = needed.reshape(num_layers, -1) & (np.asarray(references).reshape(num_layers, -1)
-                                                == 0)
-    return lacking.sum(axis=1)
 
 
 def per_replica(replicas, loads) -> np.ndarray:
