@@ -346,34 +346,52 @@ def toward_holders(anchors: LayerAnchors, weights: Sequence[float], held: np.nda
         missing = size - held[:, group].T.astype(np.int64) @ on.T.astype(np.int64)
         fewest = np.where(on, room[None, :], np.inf).min(axis=1)  # slots, per core
         ga = w[group]
+        # Row a's expert takes b's core and b's takes a's: a's nodes change by d[a, b], and
+        # the busiest node per slot of a's core rises by rise[a, b], of b's by fall[a, b].
+        # Those and every trade's gain in copies are kept up to date as trades are made:
+        # a trade changes two rows and two columns of each.
+        d = ga[None, :] - ga[:, None]
+        rise = np.maximum(d, 0) / fewest[which][:, None]
+        fall = np.maximum(-d, 0) / fewest[which][None, :]
+        gain = np.zeros((len(group), len(group)), dtype=np.int64)
+        _trade_gains(gain, missing, which, np.arange(len(group)))
         for _ in range(TRADES_PER_SIZE):
-            now = missing[np.arange(len(group)), which]
             # A trade gains only if one of its two experts misses a node now: rows are
             # those experts, columns every expert of the size.
-            rows = np.flatnonzero(now)
+            rows = np.flatnonzero(missing[np.arange(len(group)), which])
             if not len(rows):
                 break
-            gain = (now[rows, None] + now[None, :] - missing[rows][:, which]
-                    - missing[:, which[rows]].T)
-            # Row a's expert takes b's core and b's takes a's: a's nodes change by d.
-            d = ga[None, :] - ga[rows, None]
-            top = np.where(on, load / room, -np.inf).max(axis=1)
-            fits = ((top[which[rows]][:, None] + np.maximum(d, 0) / fewest[which[rows]][:, None]
-                     <= cap)
-                    & (top[which][None, :] + np.maximum(-d, 0) / fewest[which][None, :]
-                       <= cap))
-            gain = np.where(fits & (which[rows, None] != which[None, :]), gain, 0)
-            best = int(np.argmax(gain))
-            if gain.flat[best] <= 0:
+            top = np.where(on, load / room, -np.inf).max(axis=1)[which]
+            fits = ((top[rows][:, None] + rise[rows] <= cap)
+                    & (top[None, :] + fall[rows] <= cap))
+            taken = np.where(fits, gain[rows], 0)
+            best = int(np.argmax(taken))
+            if taken.flat[best] <= 0:
                 break
             row, b = divmod(best, len(group))
             a = rows[row]
-            load[on[which[a]]] += d[row, b]
-            load[on[which[b]]] -= d[row, b]
+            load[on[which[a]]] += d[a, b]
+            load[on[which[b]]] -= d[a, b]
             which[a], which[b] = which[b], which[a]
+            pair = np.array([a, b])
+            rise[pair] = np.maximum(d[pair], 0) / fewest[which[pair]][:, None]
+            fall[:, pair] = np.maximum(-d[:, pair], 0) / fewest[which[pair]][None, :]
+            _trade_gains(gain, missing, which, pair)
         for a, e in enumerate(group):
             cores[e] = distinct[which[a]]
     return LayerAnchors(anchors.replicas, tuple(cores))
+
+
+def _trade_gains(gain: np.ndarray, missing: np.ndarray, which: np.ndarray,
+                 experts: np.ndarray) -> None:
+    """Rows and columns ``experts`` of ``gain[a, b]``: the copies saved if a and b trade
+    cores (``which``; ``missing[a, j]``: nodes of core j that lack a), 0 on one core."""
+    now = missing[np.arange(len(which)), which]
+    rows = (now[experts, None] + now[None, :] - missing[experts][:, which]
+            - missing[:, which[experts]].T)
+    rows[which[experts, None] == which[None, :]] = 0
+    gain[experts] = rows
+    gain[:, experts] = rows.T
 
 
 def nodes_of(mask: int) -> list[int]:
