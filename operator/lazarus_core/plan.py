@@ -167,9 +167,11 @@ class _Counts:
         num_layers, num_nodes = len(self.slots), len(self.sizes)
         rows = np.repeat(np.arange(num_nodes), self.sizes)
         offsets = (np.arange(num_layers)[:, None] * num_nodes + rows[None, :]) * self.experts
+        # int16: a node holds at most its slots of one expert (solver.LIMITS: 1,024), and
+        # re-plans gather and compare this cube several times (a quarter of int64's bytes).
         return np.bincount((offsets + self.slots).ravel(),
-                           minlength=num_layers * num_nodes * self.experts).reshape(
-                               num_layers, num_nodes, self.experts)
+                           minlength=num_layers * num_nodes * self.experts).astype(
+                               np.int16).reshape(num_layers, num_nodes, self.experts)
 
 
 def _counts(flat: np.ndarray, sizes: Sequence[int], num_experts: int | None) -> np.ndarray:

@@ -153,12 +153,12 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]) -> list[list[int]]:
 
 def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> np.ndarray:
     """[layer, position, expert]: replicas the node now at each position already holds
-    (int16: a replica count never reaches a node's slots, and the fill scans all of it)."""
+    (int16, as ``Plan.count_cube``: the fill scans all of it)."""
     index = {n.name: i for i, n in enumerate(old.nodes)}
-    rows = [index.get(n.name, -1) if n.name in sources else -1 for n in ordered]
-    held = np.array([i >= 0 for i in rows])
-    out = np.zeros((len(old.layers), len(ordered), old.experts), dtype=np.int16)
-    out[:, held] = old.count_cube[:, np.array(rows)[held]]
+    rows = np.array([index.get(n.name, -1) if n.name in sources else -1 for n in ordered],
+                    dtype=np.int64)
+    out = old.count_cube[:, np.maximum(rows, 0)]
+    out[:, rows < 0] = 0
     return out
 
 
