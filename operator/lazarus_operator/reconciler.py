@@ -152,9 +152,11 @@ class Reconciler:
             self._relist_due.discard(key)
         uid = body["metadata"]["uid"]
         pods = self.cache.pods(key, "worker", full=relist)
+        coordinators = self.cache.pods(key, "coordinator", full=relist)
+        if relist:
+            self.cache.refresh_nodes([*pods, *coordinators])
         progress, suspects = read_state_configmap(self.cache.state(key, uid, full=relist))
         obs = observe_workers(pods, self.cache.node_infos(pods), spec, uid, suspects)
-        coordinators = self.cache.pods(key, "coordinator", full=relist)
         coordinator = observe_coordinator(coordinators, self.cache.node_infos(coordinators), uid)
         observed = time.perf_counter()
 
