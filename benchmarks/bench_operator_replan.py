@@ -181,22 +181,16 @@ class PlanWatcher:
         threading.Thread(target=self._run, args=(api, ns, name), daemon=True).start()
 
     def _run(self, api, ns, name):
-        from kubernetes import client, watch
+        from kubernetes import client
 
-        core = client.CoreV1Api(api)
-        while True:
-            try:
-                for event in watch.Watch().stream(core.list_namespaced_config_map, ns,
-                                                  field_selector=f"metadata.name={name}",
-                                                  timeout_seconds=300):
-                    at = time.monotonic()
-                    data = event["object"].data or {}
-                    if event["type"] != "DELETED" and PLAN_KEY in data:
-                        plan = read_plan_configmap(data)[0].to_dict()
-                        self.seen.append((plan, at))
-                        self.latest = plan
-            except Exception:  # noqa: BLE001 - a dropped watch is re-opened
-                time.sleep(0.1)
+        for event in _watch(client.CoreV1Api(api).list_namespaced_config_map, ns,
+                            field_selector=f"metadata.name={name}"):
+            at = time.monotonic()
+            data = event["object"].data or {}
+            if event["type"] != "DELETED" and PLAN_KEY in data:
+                plan = read_plan_configmap(data)[0].to_dict()
+                self.seen.append((plan, at))
+                self.latest = plan
 
     def first_after(self, generation: int):
         return next(((p, t) for p, t in list(self.seen) if p["generation"] > generation), None)
@@ -215,21 +209,40 @@ class DeletionWatcher:
         threading.Thread(target=self._run, args=(api, selector), daemon=True).start()
 
     def _run(self, api, selector):
-        from kubernetes import client, watch
+        from kubernetes import client
 
-        core = client.CoreV1Api(api)
-        while True:
-            try:
-                for event in watch.Watch().stream(core.list_node, label_selector=selector,
-                                                  timeout_seconds=300):
-                    if event["type"] == "DELETED":
-                        self.deleted[event["object"].metadata.name] = time.monotonic()
-            except Exception:  # noqa: BLE001 - a dropped watch is re-opened
-                time.sleep(0.1)
+        for event in _watch(client.CoreV1Api(api).list_node, label_selector=selector):
+            if event["type"] == "DELETED":
+                self.deleted[event["object"].metadata.name] = time.monotonic()
 
     def last(self, names) -> float | None:
         seen = [self.deleted.get(n) for n in names]
         return None if None in seen else max(seen)
+
+
+def _watch(list_fn, *args, **kwargs):
+    """Every event of a watch, for ever: each re-opened watch (the server ends one after
+    300 s) carries on from the last event seen, so nothing that happens while it re-opens
+    is missed (a fresh watch starts from the present: a run whose deletions came then
+    would wait for them until its timeout)."""
+    from kubernetes import watch
+
+    version = None
+    while True:
+        seen = 0
+        try:
+            for event in watch.Watch().stream(list_fn, *args, timeout_seconds=300,
+                                              **({"resource_version": version} if version
+                                                 else {}), **kwargs):
+                version = event["object"].metadata.resource_version
+                seen += 1
+                yield event
+        except Exception:  # noqa: BLE001 - a dropped watch is re-opened
+            time.sleep(0.1)
+        if not seen:
+            # Too old a version to carry on from (the client ends such a watch without a
+            # word), or nothing happened for 300 s: start from the present.
+            version = None
 
 
 class Sampler:

@@ -54,12 +54,23 @@ class JobRecord:
     published: int = 0
     # Failed worker pods (uids) already told to the controller, so each counts once.
     failures_seen: set[str] = field(default_factory=set)
+    # Whether the last pass left its decisions to the next (``Reconciler._superseded``).
+    deferred: bool = False
+    # When the last pass that acted began to look at the cluster (``time.monotonic()``).
+    looked: float = 0.0
+    # Whether the last pass left a relist the heartbeat asked for to the next
+    # (``Reconciler._relists``).
+    relist_waited: bool = False
 
     def new_failures(self, obs: Observation) -> list[core.WorkerFailed]:
-        fresh = [(uid, node, why) for uid, node, why in obs.failed
-                 if uid not in self.failures_seen]
-        self.failures_seen.update(uid for uid, _, _ in fresh)
-        return [core.WorkerFailed(node, why) for _, node, why in fresh]
+        """The failures in ``obs`` not yet told to the controller."""
+        return [core.WorkerFailed(node, why) for uid, node, why in obs.failed
+                if uid not in self.failures_seen]
+
+    def told(self, obs: Observation) -> None:
+        """What the controller made of ``obs`` is being applied: its failures are counted, and
+        not told again. (A pass that leaves its decisions to the next does not call this.)"""
+        self.failures_seen.update(uid for uid, _, _ in obs.failed)
 
 
 class Applier:

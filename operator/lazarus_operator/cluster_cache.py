@@ -8,6 +8,7 @@ a watch missed.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Iterable
@@ -31,6 +32,10 @@ class ClusterCache:
         # Nodes the watch saw deleted: known gone without asking the API server (a spot
         # reclaim deletes many at once, and each lookup would delay the re-plan).
         self.gone: set[str] = set()
+        # A number for each node event, and each node's latest: a list of the nodes that
+        # began before a node's latest event must not undo it (``refresh_nodes``).
+        self._node_events = itertools.count(1)
+        self._node_event_of: dict[str, int] = {}
         self._pods: dict[tuple[Key, str], dict[str, dict]] = {}  # (job, role) -> pods
         self._fingerprints: dict[tuple[str, str], tuple] = {}
         self._states: dict[Key, dict[str, str]] = {}
@@ -41,14 +46,16 @@ class ClusterCache:
     def node_changed(self, node: dict | None, name: str) -> bool:
         """Record a node event; whether it changed anything a job reads (readiness, taints,
         existence)."""
-        before = self.nodes.get(name)
         after = NodeInfo.from_manifest(node) if node is not None else None
-        if after is None:
-            self.nodes.pop(name, None)
-            self.gone.add(name)
-        else:
-            self.nodes[name] = after
-            self.gone.discard(name)
+        with self._guard:
+            self._node_event_of[name] = next(self._node_events)
+            before = self.nodes.get(name)
+            if after is None:
+                self.nodes.pop(name, None)
+                self.gone.add(name)
+            else:
+                self.nodes[name] = after
+                self.gone.discard(name)
         return before is None or after is None or (before.ready, before.taints) != (
             after.ready, after.taints)
 
@@ -89,8 +96,9 @@ class ClusterCache:
 
     def pods(self, job: Key, role: str, full: bool) -> list[dict]:
         """The job's pods of ``role``: from the watch, or, with ``full``, listed afresh (and
-        their nodes re-read). Pods this operator created moments ago may not be in the cache
-        yet: creating them again meets "already exists", which is harmless."""
+        their nodes then re-read with ``refresh_nodes``). Pods this operator created moments
+        ago may not be in the cache yet: creating them again meets "already exists", which is
+        harmless."""
         if not full:
             with self._guard:
                 return list(self._pods.get((job, role), {}).values())
@@ -99,7 +107,6 @@ class ClusterCache:
             label_selector=f"{JOB_LABEL}={job[1]},{ROLE_LABEL}={role}") for p in page]
         with self._guard:
             self._pods[(job, role)] = {p["metadata"]["name"]: p for p in pods}
-        self._refresh_nodes(pods)
         return pods
 
     def state(self, job: Key, owner_uid: str, full: bool) -> dict[str, str]:
@@ -137,19 +144,27 @@ class ClusterCache:
             infos[node] = self.nodes.get(node)
         return infos
 
-    def _refresh_nodes(self, pods: Iterable[dict]) -> None:
-        """Re-read the nodes these pods run on: the node watch may have missed a deletion."""
+    def refresh_nodes(self, pods: Iterable[dict]) -> None:
+        """Re-read the nodes these pods run on: the node watch may have missed a deletion.
+        It lists every node in the cluster, so it is called once for all the job's pods.
+        What the watch delivered while the list was read is newer than the list, which can
+        take seconds at a few thousand nodes: a reclaim's deletions that came meanwhile must
+        not come back to life until the next relist."""
         names = {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}
         if not names:
             return
+        listing = next(self._node_events)
         present: dict[str, NodeInfo] = {}
         for page in list_json_pages(self.core.list_node):
             present.update((n["metadata"]["name"], NodeInfo.from_manifest(n))
                            for n in page if n["metadata"]["name"] in names)
-        for node in names:
-            if node in present:
-                self.nodes[node] = present[node]
-                self.gone.discard(node)
-            else:
-                self.nodes.pop(node, None)
-                self.gone.add(node)
+        with self._guard:
+            for node in names:
+                if self._node_event_of.get(node, 0) > listing:
+                    continue
+                if node in present:
+                    self.nodes[node] = present[node]
+                    self.gone.discard(node)
+                else:
+                    self.nodes.pop(node, None)
+                    self.gone.add(node)

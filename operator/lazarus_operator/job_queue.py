@@ -2,11 +2,14 @@
 
 Events that arrive during a pass coalesce into one more pass after it (``request``), which
 keeps a burst of pod events from becoming a burst of re-plans. Each job also gets a
-settling window for node changes (a pass once they pause, see ``request_when_quiet``), a retry at the deadline the controller asked for, and a
-periodic pass (the heartbeat), each a one-shot timer that is replaced, never stacked.
+settling window for node changes (a pass once they pause, which every request made
+meanwhile waits for, see ``request_when_quiet``; a pass can ask whether any came while it
+ran, ``changed_since``), a retry at the deadline the controller asked for, and a periodic
+pass (the heartbeat), each a one-shot timer that is replaced, never stacked.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +26,8 @@ class _Entry:
     timers: dict[str, threading.Timer] = field(default_factory=dict)
     # When the changes a pending quiet timer gathers began (see ``request_when_quiet``).
     first_change: dict[str, float] = field(default_factory=dict)
+    # When the latest change of each kind came (see ``changed_since``).
+    last_change: dict[str, float] = field(default_factory=dict)
 
 
 class JobQueue:
@@ -36,17 +41,19 @@ class JobQueue:
             return self._entries.setdefault(key, _Entry())
 
     def request(self, namespace: str, name: str) -> None:
-        """A pass now, or once more right after the pass already running for this job."""
+        """A pass now, or once more right after the pass already running for this job. While
+        changes are being gathered (``request_when_quiet``), the pass their window ends with
+        is this one too: a pass before it would see only some of them."""
         entry = self._entry((namespace, name))
         with entry.guard:
             entry.dirty = True
-            if entry.running:
+            if entry.running or entry.first_change:
                 return
             entry.running = True
         try:
             while True:
                 with entry.guard:
-                    if not entry.dirty:
+                    if not entry.dirty or entry.first_change:
                         entry.running = False
                         return
                     entry.dirty = False
@@ -90,7 +97,7 @@ class JobQueue:
             self.request(namespace, name)
 
         with entry.guard:
-            now = time.monotonic()
+            now = entry.last_change[kind] = time.monotonic()
             first = entry.first_change.setdefault(kind, now)
             pending = entry.timers.get(kind)
             if pending is not None:
@@ -99,6 +106,13 @@ class JobQueue:
             timer.daemon = True
             entry.timers[kind] = timer
             timer.start()
+
+    def changed_since(self, namespace: str, name: str, kind: str, since: float) -> bool:
+        """Whether a change of this ``kind`` came after ``since`` (``time.monotonic()``): a
+        pass for it is then due, or already asked for."""
+        entry = self._entry((namespace, name))
+        with entry.guard:
+            return entry.last_change.get(kind, -math.inf) > since
 
     def forget(self, namespace: str, name: str) -> None:
         with self._guard:

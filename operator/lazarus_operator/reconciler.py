@@ -70,10 +70,13 @@ class Reconciler:
     def request_settled(self, namespace: str, name: str) -> None:
         """Reconcile once node changes pause for ``NODE_QUIET_S``, at most ``NODE_SETTLE_S``
         after the first: a reclaim takes many nodes within a second, and the API server
-        delivers their deletions over its course (on a loaded control plane, up to a second
-        for 52 nodes: bench_operator_replan.py). A pass on the first few would publish a plan
-        that still holds the others, and its pod replacements would hold back the plan
-        without them by seconds; one plan for all of them is what training can use."""
+        delivers their deletions over its course (on a loaded control plane, a second or
+        more for 52 nodes, with pauses of 0.3 s: bench_operator_replan.py). A pass on the
+        first few would publish a plan that still holds the others, and its pod
+        replacements would hold back the plan without them by seconds; one plan for all of
+        them is what training can use. So every other request for the job waits for that
+        pass meanwhile (``JobQueue.request``), and a pass that such changes overtook leaves
+        its decisions to the next (``_superseded``)."""
         self.queue.request_when_quiet(namespace, name, NODE_QUIET_S, NODE_SETTLE_S, "settle")
 
     def node_changed(self, node: dict | None, name: str) -> list[Key]:
@@ -147,14 +150,15 @@ class Reconciler:
             record.state, record.plan_version = rebuild_state(
                 self.core, body, spec, self.cache.nodes, self.settings, self.clock)
         state = record.state
-        with self._jobs_guard:
-            relist = fresh or key in self._relist_due
-            self._relist_due.discard(key)
+        looked = time.monotonic()  # a node change after this is news to the pass
+        relist = self._relists(record, key, fresh)
         uid = body["metadata"]["uid"]
         pods = self.cache.pods(key, "worker", full=relist)
+        coordinators = self.cache.pods(key, "coordinator", full=relist)
+        if relist:
+            self.cache.refresh_nodes([*pods, *coordinators])
         progress, suspects = read_state_configmap(self.cache.state(key, uid, full=relist))
         obs = observe_workers(pods, self.cache.node_infos(pods), spec, uid, suspects)
-        coordinators = self.cache.pods(key, "coordinator", full=relist)
         coordinator = observe_coordinator(coordinators, self.cache.node_infos(coordinators), uid)
         observed = time.perf_counter()
 
@@ -179,6 +183,10 @@ class Reconciler:
             return
         solved = time.perf_counter() - t0
         metrics.SOLVER_SECONDS.labels(namespace, name).observe(solved)
+        if self._superseded(record, key, looked, fresh):
+            return
+        record.told(obs)
+        record.looked = looked
         timing = f"observe {observed - started:.3f} s, solve {solved:.3f} s"
         try:
             self.applier.apply(record, body, spec, state, outcome, obs, coordinator, started,
@@ -189,6 +197,41 @@ class Reconciler:
         record.state = outcome.state
         if outcome.retry_at is not None:
             self.queue.request_after(namespace, name, outcome.retry_at - now, "retry")
+
+    def _superseded(self, record: JobRecord, key: Key, looked: float, fresh: bool) -> bool:
+        """Whether to leave what this pass decided to the next one, because node changes of
+        the job came after it ``looked``: a pass that began just before a reclaim (the
+        heartbeat's relist takes seconds on a loaded control plane) or at a pause in its
+        deletions would publish a plan that still holds nodes already gone, and its pods'
+        replacements would hold back the plan without them by a second or more. The next
+        pass is the one those changes asked for (``request_settled``), due within
+        NODE_SETTLE_S. Never twice in a row, so that a steady stream of node changes cannot
+        keep a job from ever getting a plan; never a fresh state's pass, whose SpecChanged
+        the next pass would not repeat. The pass has written nothing yet: there is nothing
+        to undo."""
+        superseded = (not fresh and not record.deferred
+                      and self.queue.changed_since(*key, "settle", looked))
+        record.deferred = superseded
+        if superseded:
+            log.debug("%s/%s: node changes came during the pass; the next one decides", *key)
+        return superseded
+
+    def _relists(self, record: JobRecord, key: Key, fresh: bool) -> bool:
+        """Whether this pass lists the job's pods and nodes afresh: a fresh state's does, and
+        the first after the heartbeat asked, unless node changes came since the last pass
+        that acted looked. That pass re-plans for them, training waits for its plan, and
+        the lists (a thousand pods, every node in the cluster) take seconds on a loaded
+        control plane: the relist waits for the pass after it, no longer, for it is what
+        corrects a node watch that lags behind or missed an event."""
+        replanning = self.queue.changed_since(*key, "settle", record.looked)
+        with self._jobs_guard:
+            due = key in self._relist_due
+            record.relist_waited = (due and not fresh and replanning
+                                    and not record.relist_waited)
+            if fresh or (due and not record.relist_waited):
+                self._relist_due.discard(key)
+                return True
+            return False
 
     def _record(self, key: Key) -> JobRecord:
         with self._jobs_guard:

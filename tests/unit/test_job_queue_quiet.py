@@ -1,5 +1,6 @@
 """The node-change window of the operator's job queue: one pass once changes pause, and no
-later than the longest wait after the first, however long the changes go on."""
+later than the longest wait after the first, however long the changes go on; requests made
+meanwhile wait for it; and a pass can tell whether changes came while it ran."""
 import threading
 import time
 
@@ -43,3 +44,27 @@ def test_a_stream_of_changes_cannot_postpone_the_pass_past_the_longest_wait():
         time.sleep(0.01)
     assert passes, "no pass while changes kept coming"
     assert 0.1 - 0.005 <= passes[0] - start < 1.5
+
+
+def test_a_request_while_changes_are_gathered_waits_for_the_windows_pass():
+    queue, passes, done = _recorder()
+    queue.request_when_quiet("ns", "job", QUIET_S, 5.0, "settle")
+    opened = time.monotonic()
+    queue.request("ns", "job")  # e.g. a pod event: a pass now would see only some changes
+    assert not passes
+    assert done.wait(5)
+    time.sleep(QUIET_S + 0.05)
+    assert len(passes) == 1 and passes[0] - opened >= QUIET_S - 0.005
+    queue.request("ns", "job")  # no window open: at once
+    assert len(passes) == 2
+
+
+def test_a_pass_can_tell_whether_changes_came_after_a_moment():
+    queue, _, _ = _recorder()
+    before = time.monotonic()
+    assert not queue.changed_since("ns", "job", "settle", before)
+    queue.request_when_quiet("ns", "job", QUIET_S, 5.0, "settle")
+    after = time.monotonic()
+    assert queue.changed_since("ns", "job", "settle", before)
+    assert not queue.changed_since("ns", "job", "settle", after)
+    assert not queue.changed_since("ns", "other", "settle", before)

@@ -112,6 +112,7 @@ def test_a_worker_whose_ranks_exited_backs_off_before_its_pod_ends_and_counts_on
         obs = observe_workers(pods, infos, state.spec, JOB_UID, suspects)
         events = [*record.new_failures(obs), *c.observe(state, obs.live, obs.noticed), c.Tick()]
         state = c.handle_all(state, events, now).state
+        record.told(obs)
         return obs
 
     observe_pass([pod("w0", "Running"), pod("w1", "Running", node="n1")])

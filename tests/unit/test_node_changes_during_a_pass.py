@@ -1,0 +1,170 @@
+"""Node changes that come while a pass is under way: the pass leaves its decisions to the
+pass they asked for (once in a row at most); the pass that re-plans for them does not also
+relist; and a relist of the nodes that began before a node's deletion reached the watch
+does not bring the node back."""
+import json
+import threading
+from types import SimpleNamespace
+
+from kubernetes import client
+
+from lazarus_core import controller as c
+from lazarus_core.job_spec import parse_spec
+from lazarus_operator import builders
+from lazarus_operator.cluster_cache import ClusterCache
+from lazarus_operator.job_queue import JobQueue
+from lazarus_operator.observe import NodeInfo
+from lazarus_operator.reconciler import Reconciler
+
+KEY = ("ns", "j")
+UID = "uid-j"
+BODY = {"metadata": {"namespace": "ns", "name": "j", "uid": UID, "generation": 1}}
+SPEC = parse_spec({"runtime": {"experts": 4, "layers": 2}, "minNodes": 2, "maxNodes": 4,
+                   "slotsPerGpu": 4})
+
+
+def _worker(node, index, phase="Running"):
+    return {"metadata": {"name": f"j-worker-{index}", "uid": f"uid-{index}",
+                         "labels": {builders.INDEX_LABEL: str(index)},
+                         "ownerReferences": [{"kind": "LazarusJob", "name": "j", "uid": UID}]},
+            "spec": {"nodeName": node}, "status": {"phase": phase}}
+
+
+def _node(name):
+    return {"metadata": {"name": name},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+class FakeCache:
+    """The job's workers on ``nodes``; ``after_look`` runs once a pass has looked at their
+    nodes (a node event that comes while it thinks)."""
+
+    def __init__(self, nodes):
+        self.workers = [_worker(n, i) for i, n in enumerate(nodes)]
+        self.infos = {n: NodeInfo(n, "a", True, True, frozenset()) for n in nodes}
+        self.after_look = lambda: None
+        self.relists = []  # per pass: whether it listed the pods afresh
+
+    def pods(self, key, role, full):
+        if role == "worker":
+            self.relists.append(full)
+            return list(self.workers)
+        return []
+
+    def refresh_nodes(self, pods):
+        pass
+
+    def state(self, key, uid, full):
+        return {}
+
+    def node_infos(self, pods):
+        infos = {p["spec"]["nodeName"]: self.infos.get(p["spec"]["nodeName"]) for p in pods}
+        then, self.after_look = self.after_look, lambda: None
+        then()
+        return infos
+
+
+def _reconciler(nodes):
+    """A reconciler over a fake cache whose applied decisions are recorded, and whose
+    queue records the passes asked for instead of running them."""
+    r = Reconciler(client.ApiClient(), c.Settings(start_grace_s=0))
+    r.cache = FakeCache(nodes)
+    asked = threading.Event()
+    r.queue = JobQueue(lambda namespace, name: asked.set())
+    applied = []
+    r.applier = SimpleNamespace(
+        apply=lambda record, body, spec, before, outcome, *_: applied.append(outcome))
+    return r, applied, asked
+
+
+def _plans(outcomes):
+    return [sorted(n.name for n in d.plan.nodes) for o in outcomes for d in o.decisions
+            if isinstance(d, c.PublishPlan)]
+
+
+def _run(r, record):
+    r._pass(record, KEY, BODY, SPEC, 0.0)
+
+
+def _lose(r, node):
+    """A node event as the handler delivers it: the cache, then the settling window."""
+    del r.cache.infos[node]
+    r.request_settled(*KEY)
+
+
+def test_a_pass_that_a_node_loss_overtook_publishes_nothing_and_the_next_one_does():
+    r, applied, asked = _reconciler(["n0", "n1", "n2", "n3"])
+    record = r._record(KEY)
+    record.state = c.new_job(SPEC, r.settings)
+    _run(r, record)
+    assert _plans(applied) == [["n0", "n1", "n2", "n3"]]
+    first = record.state
+
+    r.cache.after_look = lambda: _lose(r, "n1")
+    _run(r, record)
+    assert len(applied) == 1 and record.state is first  # nothing decided, nothing applied
+    assert asked.wait(5), "the node change asked for no pass"
+
+    _run(r, record)
+    assert _plans(applied)[-1] == ["n0", "n2", "n3"]
+
+
+def test_node_changes_during_every_pass_cannot_hold_back_every_other_one():
+    r, applied, _ = _reconciler(["n0", "n1", "n2", "n3"])
+    record = r._record(KEY)
+    record.state = c.new_job(SPEC, r.settings)
+    _run(r, record)
+    for lost in ("n1", "n2"):
+        r.cache.after_look = lambda lost=lost: _lose(r, lost)
+        _run(r, record)
+    # The first pass left its decisions to the second, which published what it had seen.
+    assert _plans(applied) == [["n0", "n1", "n2", "n3"], ["n0", "n2", "n3"]]
+
+
+def test_a_pass_that_leaves_its_decisions_to_the_next_leaves_its_failures_too():
+    r, applied, _ = _reconciler(["n0", "n1", "n2", "n3"])
+    record = r._record(KEY)
+    record.state = c.new_job(SPEC, r.settings)
+    _run(r, record)
+    r.cache.workers[3] = _worker("n3", 3, phase="Failed")
+    r.cache.after_look = lambda: _lose(r, "n1")
+    _run(r, record)
+    assert record.failures_seen == set()  # not told: the next pass tells it
+    _run(r, record)
+    assert record.failures_seen == {"uid-3"}
+    assert _plans(applied)[-1] == ["n0", "n2"]
+
+
+def test_the_pass_that_re_plans_for_node_changes_leaves_the_heartbeats_relist_to_the_next():
+    r, applied, _ = _reconciler(["n0", "n1", "n2", "n3"])
+    record = r._record(KEY)
+    record.state = c.new_job(SPEC, r.settings)
+    _run(r, record)
+    r._mark_relist(KEY)
+    _lose(r, "n1")
+    _run(r, record)  # training waits for this one's plan
+    assert _plans(applied)[-1] == ["n0", "n2", "n3"]
+    _lose(r, "n2")
+    _run(r, record)  # node changes again, but the relist has waited once already
+    assert r.cache.relists == [False, False, True]
+
+
+def test_a_relist_of_the_nodes_does_not_undo_a_deletion_the_watch_delivered_meanwhile():
+    nodes = {n: _node(n) for n in ("n0", "n1", "n2")}
+    cache = ClusterCache(None)
+
+    def list_node(**_):
+        page = [nodes[n] for n in sorted(nodes)]  # read before the deletion reached the watch
+        cache.node_changed(None, "n1")
+        return SimpleNamespace(data=json.dumps({"items": page, "metadata": {}}))
+
+    def list_namespaced_pod(namespace, **_):
+        return SimpleNamespace(data=json.dumps({"items": [
+            _worker(n, i) for i, n in enumerate(nodes)], "metadata": {}}))
+
+    cache.core = SimpleNamespace(list_node=list_node, list_namespaced_pod=list_namespaced_pod)
+    for n in nodes:
+        cache.node_changed(nodes[n], n)
+    cache.refresh_nodes(cache.pods(KEY, "worker", full=True))
+    assert "n1" in cache.gone and "n1" not in cache.nodes
+    assert set(cache.nodes) == {"n0", "n2"}
