@@ -121,19 +121,19 @@ def _loads(layer: _Layer, x: np.ndarray) -> np.ndarray:
                        minlength=len(layer.rank_node)) * layer.per_slot
 
 
-def _ranked_moves(layer: _Layer, x: np.ndarray, pinned: np.ndarray, limit: int | None = None):
-    """Every move worth trying from (x, pinned), best first: (score, kind, p, q), kind 0
+def _ranked_moves(layer: _Layer, x: np.ndarray, pinned: np.ndarray, limit: int):
+    """The ``limit`` best moves from (x, pinned), best first: (score, kind, p, q), kind 0
     retargets slot p to expert q, kind 1 swaps slots p and q."""
     num_ranks, num_experts = len(layer.rank_node), len(layer.loads)
     r = np.bincount(x, minlength=num_experts)
-    n = np.zeros((num_ranks, num_experts), dtype=np.int64)
-    np.add.at(n, (layer.rank_of_slot, x), 1)
+    n = np.bincount(layer.rank_of_slot * num_experts + x,
+                    minlength=num_ranks * num_experts).reshape(num_ranks, num_experts)
     w = np.divide(layer.loads, r, out=np.zeros_like(layer.loads), where=r > 0)
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:TOP_RANKS]
     found = []
     for kind, (top, squares, p, q) in enumerate((
-            _retargets(layer, x, pinned, n, r, w, load, busy),
+            _retargets(layer, x, pinned, n, r, w, load, busy, limit),
             _swaps(layer, x, pinned, n, w, load, busy))):
         if not len(p):
             continue
@@ -153,11 +153,17 @@ def _apply(move, x: np.ndarray, pinned: np.ndarray) -> None:
         pinned[p], pinned[q] = pinned[q], pinned[p]
 
 
-def _retargets(layer, x, pinned, n, r, w, load, busy):
+def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     """Free replicas that become another expert: on a busy rank (it sheds its weight), or
     anywhere when the new expert is on a busy rank (its replicas there get lighter). As
-    (busiest rank after, sum of squares after, slot, expert) arrays; every rank that holds
-    either expert changes, so each move costs a row of rank loads, in chunks."""
+    (busiest rank after, sum of squares after, slot, expert) arrays, the sum of squares
+    only for the moves that can be among the ``limit`` best (+inf for the others).
+
+    Every rank that holds either expert changes, so a move is charged a row of rank loads
+    to the budget. Moves that turn the same expert a into the same b change every rank but
+    their own alike, so the busiest rank is computed once per (a, b) row: the largest of
+    the row without the move's own rank, and that rank's load after.
+    """
     none = np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     free = np.flatnonzero((pinned < 0) & (r[x] > layer.min_replicas))
     if not len(free):
@@ -185,16 +191,45 @@ def _retargets(layer, x, pinned, n, r, w, load, busy):
     layer.budget -= len(p) * num_ranks
     wa = layer.loads[a] / (r[a] - 1)
     wb = layer.loads[q] / (r[q] + 1)
-    top, squares = np.empty(len(p)), np.empty(len(p))
+    own = (wb - wa) * layer.per_slot[k]  # the move's own rank gains b and sheds a
+    pairs, row = np.unique(a * len(w) + q, return_inverse=True)
+    pa, pb = pairs // len(w), pairs % len(w)
+    by_row = np.argsort(row, kind="stable")
+    starts = np.searchsorted(row[by_row], np.arange(len(pairs) + 1))
+    top = np.empty(len(p))
     chunk = max(1, CHUNK // num_ranks)
-    for start in range(0, len(p), chunk):
-        sl = slice(start, start + chunk)
-        after = load[None, :] + (n[:, a[sl]].T * (wa[sl] - w[a[sl]])[:, None]
-                                 + n[:, q[sl]].T * (wb[sl] - w[q[sl]])[:, None]
-                                 ) * layer.per_slot[None, :]
-        after[np.arange(len(after)), k[sl]] += (wb[sl] - wa[sl]) * layer.per_slot[k[sl]]
-        top[sl], squares[sl] = after.max(axis=1), (after * after).sum(axis=1)
+    for start in range(0, len(pairs), chunk):
+        end = min(start + chunk, len(pairs))
+        after = _rows_after(layer, n, r, w, load, pa[start:end], pb[start:end])
+        best = after.argmax(axis=1)
+        largest = after[np.arange(len(after)), best]
+        after[np.arange(len(after)), best] = -np.inf
+        second = after.max(axis=1)
+        after[np.arange(len(after)), best] = largest
+        moves = by_row[starts[start]:starts[end]]
+        at = row[moves] - start
+        others = np.where(k[moves] == best[at], second[at], largest[at])
+        top[moves] = np.maximum(others, after[at, k[moves]] + own[moves])
+    # Only moves that can be among the ``limit`` best need their sum of squares (the tie
+    # break after the busiest rank): each as its full row.
+    squares = np.full(len(p), np.inf)
+    cut = np.partition(top, limit - 1)[limit - 1] if len(p) > limit else np.inf
+    near = np.flatnonzero(top <= cut)
+    for start in range(0, len(near), chunk):
+        some = near[start:start + chunk]
+        after = _rows_after(layer, n, r, w, load, a[some], q[some])
+        after[np.arange(len(after)), k[some]] += own[some]
+        squares[some] = (after * after).sum(axis=1)
     return top, squares, p, q
+
+
+def _rows_after(layer, n, r, w, load, a, b):
+    """[move, rank]: every rank's load per slot once a replica of a becomes one of b, but
+    for the rank of the replica that changes (it gains b and sheds a: ``own``)."""
+    wa = layer.loads[a] / (r[a] - 1)
+    wb = layer.loads[b] / (r[b] + 1)
+    return load[None, :] + (n[:, a].T * (wa - w[a])[:, None]
+                            + n[:, b].T * (wb - w[b])[:, None]) * layer.per_slot[None, :]
 
 
 def _swaps(layer, x, pinned, n, w, load, busy):

@@ -10,6 +10,7 @@ the answer is a Monte Carlo estimate with a 95% confidence half-width.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -130,21 +131,35 @@ def fatal_counts(masks: Iterable[int], n: int, max_failures: int,
     beyond, inclusion-exclusion stops before the first k it cannot finish within ``budget``
     set unions, and the list is shorter.
     """
-    max_failures = min(max_failures, n)
+    return list(_fatal_counts(frozenset(masks), n, min(max_failures, n), budget))
+
+
+# The solver scores the same structures many times over (every option of a plan is scored
+# against the same few cores; a search revisits its start); each count is a pure function
+# of the node sets.
+@functools.lru_cache(maxsize=4096)
+def _fatal_counts(masks: frozenset[int], n: int, max_failures: int,
+                  budget: int) -> tuple[int, ...]:
     if n <= BITMAP_NODES:
         table = _SupersetTable.of(n)
         fatal = 0
-        for m in set(masks):
+        for m in masks:
             fatal |= table.supersets(m)
-        return [(fatal & table.of_size[k]).bit_count() for k in range(1, max_failures + 1)]
+        return tuple((fatal & table.of_size[k]).bit_count() for k in range(1, max_failures + 1))
     sets = minimal_sets(masks, max_size=max_failures)
+    # The unions within max_failures nodes hold those within any fewer (a subfamily's
+    # union only grows as sets join it), and cost at least as much to form: when they fit
+    # the budget, one pass counts every k. Else each k within the budget is counted alone.
+    every = _union_histogram(sets, max_failures, budget)
     counts = []
     for k in range(1, max_failures + 1):
-        histogram = _union_histogram([s for s in sets if s.bit_count() <= k], k, budget)
+        histogram = every if every is not None else _union_histogram(
+            [s for s in sets if s.bit_count() <= k], k, budget)
         if histogram is None:
             break
-        counts.append(sum(sign * math.comb(n - u, k - u) for u, sign in histogram.items()))
-    return counts
+        counts.append(sum(sign * math.comb(n - u, k - u)
+                          for u, sign in histogram.items() if u <= k))
+    return tuple(counts)
 
 
 # Up to this many nodes a set of failure sets is one integer of 2^n bits (4096 for 12).
