@@ -302,13 +302,19 @@ def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> L
         members = sorted((e for e, c in enumerate(cores) if c.bit_count() == size),
                          key=lambda e: (-weights[e], e))
         seats = Counter(cores[e] for e in members)
+        nodes = {c: nodes_of(c) for c in seats}
+        # Each core's busiest node, kept up to date: a deal changes only the cores that
+        # share a node with the one dealt to.
+        top = {c: max(load[i] for i in nodes[c]) for c in seats}
         for e in members:
-            core = min((c for c, left in seats.items() if left),
-                       key=lambda c: (max(load[i] for i in nodes_of(c)), c))
+            core = min((c for c, left in seats.items() if left), key=lambda c: (top[c], c))
             seats[core] -= 1
             cores[e] = core
-            for i in nodes_of(core):
+            for i in nodes[core]:
                 load[i] += weights[e]
+            for c in top:
+                if c & core:
+                    top[c] = max(load[i] for i in nodes[c])
     return LayerAnchors(anchors.replicas, tuple(cores))
 
 

@@ -1,9 +1,11 @@
 """Replica counts traded inside a layer's fill (lazarus_core.count_trading): what may change,
 what never does, and that it lowers the busiest rank where swaps alone cannot."""
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lazarus_core import count_trading as ct
 from lazarus_core.count_trading import (FILL_EVALUATIONS, MAX_EVALUATIONS, layer_budget,
                                          trade_counts)
 
@@ -85,3 +87,39 @@ def test_every_trade_keeps_the_invariants(data):
         assert len(set(out[ranks == k])) == per_rank
     before = rank_loads(experts, ranks, loads, num_ranks).max()
     assert rank_loads(out, ranks, loads, num_ranks).max() <= before + 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_retargets_score_every_move_as_its_full_row_of_rank_loads(data):
+    # The busiest rank after each retarget comes from one row per (a, b) pair of experts,
+    # and the sum of squares only for the moves that can rank: both must be what the full
+    # row of rank loads after that move gives.
+    num_ranks = data.draw(st.integers(2, 6))
+    per_rank = data.draw(st.integers(1, 3))
+    num_experts = data.draw(st.integers(per_rank + 1, per_rank + 4))
+    experts = np.array([data.draw(st.permutations(range(num_experts)))[:per_rank]
+                        for _ in range(num_ranks)]).ravel()
+    loads = np.array(data.draw(st.lists(st.floats(0.1, 10), min_size=num_experts,
+                                        max_size=num_experts)))
+    ranks = np.repeat(np.arange(num_ranks), per_rank)
+    limit = data.draw(st.sampled_from([1, ct.KICKS]))
+    layer = ct._Layer(ranks, np.arange(num_ranks), loads, np.full(num_ranks, 1.0 / per_rank),
+                      1, 0.0)
+    pinned = np.full(len(experts), -1)
+    r = np.bincount(experts, minlength=num_experts)
+    n = np.bincount(ranks * num_experts + experts,
+                    minlength=num_ranks * num_experts).reshape(num_ranks, num_experts)
+    w = loads / np.maximum(r, 1)
+    load = (n @ w) * layer.per_slot
+    busy = np.argsort(-load, kind="stable")[:ct.TOP_RANKS]
+    top, squares, p, q = ct._retargets(layer, experts, pinned, n, r, w, load, busy, limit)
+    for i in range(len(p)):
+        after = experts.copy()
+        after[p[i]] = q[i]
+        row = rank_loads(after, ranks, loads, num_ranks) / per_rank
+        assert top[i] == pytest.approx(row.max(), rel=1e-12)
+        if np.isfinite(squares[i]):
+            assert squares[i] == pytest.approx(row @ row, rel=1e-12)
+    # Every move among the ``limit`` best by (busiest, sum of squares) has its sum.
+    assert np.isfinite(squares[np.lexsort((squares, top))[:limit]]).all()

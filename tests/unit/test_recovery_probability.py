@@ -78,3 +78,23 @@ def test_zone_loss_is_fatal_only_when_an_expert_lives_in_one_zone():
     assert zone_survival([layer], ["a", "b", "b", "a"]) == {"a": True, "b": True}
     assert zone_survival([layer], ["a", "b", "a", "b"]) == {"a": False, "b": False}
     assert zone_survival([layer], ["a", "b", "a", "c"]) == {"a": False, "b": True, "c": True}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_fatal_counts_beyond_the_bitmap_match_enumeration(data):
+    # Past BITMAP_NODES the counts come from one inclusion-exclusion pass for every k (or
+    # one per k when that pass is over budget), cached by node sets: each must equal
+    # counting the fatal failure sets one by one, in whatever order the sets come.
+    n = data.draw(st.integers(recovery.BITMAP_NODES + 1, 16))
+    node_sets = data.draw(st.lists(st.sets(st.integers(0, n - 1), min_size=1, max_size=4),
+                                   min_size=1, max_size=12))
+    masks = [sum(1 << i for i in s) for s in node_sets]
+    expected = [sum(any(m & f == m for m in masks)
+                    for f in (sum(1 << i for i in c) for c in combinations(range(n), k)))
+                for k in range(1, 5)]
+    assert recovery.fatal_counts(masks, n, 4) == expected
+    assert recovery.fatal_counts(list(reversed(masks)), n, 4) == expected
+    # A budget too small for every k at once still counts the k that fit alone, exactly.
+    short = recovery.fatal_counts(masks, n, 4, budget=len(masks) * 3)
+    assert short == expected[:len(short)]
