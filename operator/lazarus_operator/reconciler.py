@@ -190,7 +190,7 @@ class Reconciler:
         timing = f"observe {observed - started:.3f} s, solve {solved:.3f} s"
         try:
             self.applier.apply(record, body, spec, state, outcome, obs, coordinator, started,
-                               timing)
+                               timing, lambda: self.queue.changed_since(*key, "settle", looked))
         except Exception:
             record.state = None  # rebuild from the API server next time: it is the truth
             raise

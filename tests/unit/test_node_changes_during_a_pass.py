@@ -1,6 +1,6 @@
 """Node changes that come while a pass is under way: the pass leaves its decisions to the
-pass they asked for (once in a row at most); the pass that re-plans for them does not also
-relist; and a relist of the nodes that began before a node's deletion reached the watch
+pass they asked for (once in a row at most), and one that acts all the same creates no
+further batch of workers; the pass that re-plans for them does not also relist; and a relist of the nodes that began before a node's deletion reached the watch
 does not bring the node back."""
 import json
 import threading
@@ -11,9 +11,10 @@ from kubernetes import client
 from lazarus_core import controller as c
 from lazarus_core.job_spec import parse_spec
 from lazarus_operator import builders
+from lazarus_operator.apply import Applier, JobRecord
 from lazarus_operator.cluster_cache import ClusterCache
 from lazarus_operator.job_queue import JobQueue
-from lazarus_operator.observe import NodeInfo
+from lazarus_operator.observe import NodeInfo, Observation
 from lazarus_operator.reconciler import Reconciler
 
 KEY = ("ns", "j")
@@ -168,3 +169,53 @@ def test_a_relist_of_the_nodes_does_not_undo_a_deletion_the_watch_delivered_mean
     cache.refresh_nodes(cache.pods(KEY, "worker", full=True))
     assert "n1" in cache.gone and "n1" not in cache.nodes
     assert set(cache.nodes) == {"n0", "n2"}
+
+
+def test_a_pass_that_acts_although_overtaken_tells_its_applier_so():
+    # The second pass in a row that node changes overtook acts on what it saw; the pass
+    # those changes asked for is due, so the applier leaves the rest of its pods to it.
+    r, applied, _ = _reconciler(["n0", "n1", "n2", "n3"])
+    told = []
+    r.applier = SimpleNamespace(apply=lambda record, body, spec, before, outcome, *args:
+                                told.append(args[-1]()))
+    record = r._record(KEY)
+    record.state = c.new_job(SPEC, r.settings)
+    _run(r, record)
+    for lost in ("n1", "n2"):
+        r.cache.after_look = lambda lost=lost: _lose(r, lost)
+        _run(r, record)
+    assert told == [False, True]
+
+
+class FakePods:
+    """Pod creation that records each name, and a pass overtaken once ``overtake_after``
+    pods were asked for."""
+
+    def __init__(self, overtake_after):
+        self.created = []
+        self.overtake_after = overtake_after
+
+    def create_namespaced_pod(self, namespace, pod):
+        self.created.append(pod["metadata"]["name"])
+
+    def read_namespaced_pod(self, name, namespace):
+        raise AssertionError("only a name already taken is read")
+
+    def overtaken(self):
+        return len(self.created) >= self.overtake_after
+
+
+def _right_size(pods):
+    applier = Applier(client.CoreV1Api(client.ApiClient()), None, None, lambda: 0.0, 2379)
+    applier.core = pods
+    state = c.new_job(SPEC, c.Settings(start_grace_s=0))
+    applier._right_size(JobRecord(key_secret="key"), BODY, SPEC, state, Observation(),
+                        pods.overtaken)
+    return pods.created
+
+
+def test_an_overtaken_pass_creates_no_further_batch_of_workers():
+    # Four workers missing: batches of 1, 2 and 1. Overtaken after the first, the pass
+    # stops there; the next pass creates the rest (it right-sizes from what it sees).
+    assert len(_right_size(FakePods(overtake_after=10))) == SPEC.target_nodes == 4
+    assert _right_size(FakePods(overtake_after=1)) == ["j-worker-0"]
