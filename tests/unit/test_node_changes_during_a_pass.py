@@ -1,7 +1,8 @@
 """Node changes that come while a pass is under way: the pass leaves its decisions to the
-pass they asked for (once in a row at most), and one that acts all the same leaves the
-pods to delete and create, and the status, to that pass; the pass that re-plans for them does not also relist; and a relist of the nodes that began before a node's deletion reached the watch
-does not bring the node back."""
+pass they asked for (once in a row at most), and one that acts all the same leaves the pods
+to delete and create, and the status, to that pass; the pass that re-plans for them does
+not also relist; and a relist of the nodes that began before a node's deletion reached the
+watch does not bring the node back."""
 import json
 import threading
 from types import SimpleNamespace
