@@ -367,15 +367,22 @@ def toward_holders(anchors: LayerAnchors, weights: Sequence[float], held: np.nda
             rows = np.flatnonzero(missing[np.arange(len(group)), which])
             if not len(rows):
                 break
-            top = np.where(on, load / room, -np.inf).max(axis=1)[which]
-            fits = ((top[rows][:, None] + rise[rows] <= cap)
-                    & (top[None, :] + fall[rows] <= cap))
-            taken = np.where(fits, gain[rows], 0)
-            best = int(np.argmax(taken))
-            if taken.flat[best] <= 0:
+            # Only trades that gain can be taken (a few percent of the pairs): the caps are
+            # checked for those alone, in the same order, so the first of the largest
+            # gains that fit is the same trade.
+            gaining = np.flatnonzero(gain[rows] > 0)
+            if not len(gaining):
                 break
-            row, b = divmod(best, len(group))
-            a = rows[row]
+            at, ends = np.divmod(gaining, len(group))
+            starts = rows[at]
+            top = np.where(on, load / room, -np.inf).max(axis=1)[which]
+            fits = ((top[starts] + rise[starts, ends] <= cap)
+                    & (top[ends] + fall[starts, ends] <= cap))
+            taken = np.where(fits, gain[starts, ends], 0)
+            best = int(np.argmax(taken))
+            if taken[best] <= 0:
+                break
+            a, b = int(starts[best]), int(ends[best])
             load[on[which[a]]] += d[a, b]
             load[on[which[b]]] -= d[a, b]
             which[a], which[b] = which[b], which[a]
