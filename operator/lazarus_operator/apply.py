@@ -56,6 +56,8 @@ class JobRecord:
     failures_seen: set[str] = field(default_factory=set)
     # Whether the last pass left its decisions to the next (``Reconciler._superseded``).
     deferred: bool = False
+    # Whether the last pass that acted left its pods and status to the next (``Applier.apply``).
+    yielded: bool = False
     # When the last pass that acted began to look at the cluster (``time.monotonic()``).
     looked: float = 0.0
     # Whether the last pass left a relist the heartbeat asked for to the next
@@ -95,7 +97,9 @@ class Applier:
         """Carry out what the controller decided. ``overtaken`` says whether node changes
         came that this pass did not see: a pass is due for them, training waits for its
         plan, and passes never overlap, so what that pass redoes from what it sees (the pods
-        to delete, the workers to create, the status) is left to it."""
+        to delete, the workers to create, the status) is left to it. Never twice in a row,
+        so that node changes that never stop cannot keep a job from its pods (as
+        ``Reconciler._superseded`` for its plans)."""
         namespace = body["metadata"]["namespace"]
         state = outcome.state
         self._ensure_job_objects(record, body)
@@ -118,14 +122,20 @@ class Applier:
                        f"a worker failed before completing a step ({state.start_error}); "
                        f"the next one starts after a backoff", "Warning",
                        f"start-failed.{state.start_failures}")
-        if overtaken():
+        may_yield, record.yielded = not record.yielded, False
+
+        def yielding() -> bool:
+            record.yielded = may_yield and overtaken()
+            return record.yielded
+
+        if yielding():
             # After a reclaim these took 8.7 s at 2,000 nodes on a loaded control plane (52
             # pods deleted 3.2 s, 48 created 4.4 s, the status 1.0 s), all of it before
             # the next pass could begin.
             return
         if not state.finished:  # a finished job's pods stay, with their logs
             delete_pods(self.core, self._batch, obs.doomed, namespace)
-        self._right_size(record, body, spec, state, obs, overtaken)
+        self._right_size(record, body, spec, state, obs, yielding)
         self._patch_status(body, state)
 
     def record_publication(self, body: dict, plan) -> None:
@@ -244,13 +254,13 @@ class Applier:
                        f"checkpoint-healed.{state.checkpoint_failures}")
 
     def _right_size(self, record: JobRecord, body: dict, spec: JobSpec, state: core.JobState,
-                    obs: Observation, overtaken: Callable[[], bool]) -> None:
+                    obs: Observation, yielding: Callable[[], bool]) -> None:
         """Create the workers the target still lacks; drop starting ones beyond it.
 
-        Once the pass is ``overtaken``, no further batch is created: on a loaded control
-        plane the batches of a reclaim's replacements take seconds, and the pass the new
-        node changes asked for, whose plan training waits for, cannot begin before this
-        one ends (bench_operator_replan.py at 2,000 nodes: the last 6 of 52 deletions
+        Once the pass is ``yielding`` (see ``apply``), no further batch is created: on a
+        loaded control plane the batches of a reclaim's replacements take seconds, and the
+        pass the new node changes asked for, whose plan training waits for, cannot begin
+        before this one ends (bench_operator_replan.py at 2,000 nodes: the last 6 of 52 deletions
         waited 6 s for 48 replacements). That pass creates what is still missing."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if state.finished:  # nothing will train on the pods still starting
@@ -283,7 +293,7 @@ class Applier:
                     for _ in range(min(batch, missing - created))]
             done = list(self._batch.map(create, pods))
             created += sum(done)
-            if not all(done) or overtaken():
+            if not all(done) or yielding():
                 break
             batch *= 2
         usable = sum(1 for n in state.nodes if n.name not in state.noticed | state.draining)
