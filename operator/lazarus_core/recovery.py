@@ -152,7 +152,7 @@ def _fatal_counts(masks: frozenset[int], n: int, max_failures: int,
     # the budget, one pass counts every k. Else each k within the budget is counted alone.
     every = _union_histogram(sets, max_failures, budget)
     counts = []
-    for k in range(1, max_failures + 1):
+    for k in range(1, max_failures + 1 if every is not None else max_failures):
         histogram = every if every is not None else _union_histogram(
             [s for s in sets if s.bit_count() <= k], k, budget)
         if histogram is None:
