@@ -5,7 +5,7 @@ import json
 
 from lazarus_core.loads import parse_loads
 from lazarus_core.plan import POLICIES, Plan
-from lazarus_core.recovery import zone_survival
+from lazarus_core.recovery import cube_presence, zone_survival
 from lazarus_core.solver import check_size, plan_job
 from lazarus_core.topology import NodeSpec
 
@@ -73,7 +73,7 @@ def parse_zones(spec: str, num_nodes: int) -> list[str]:
 def plan_summary(plan: Plan) -> dict:
     node_index = {n.name: i for i, n in enumerate(plan.nodes)}
     layers = [[list(s) for s in layer.placement] for layer in plan.layers]
-    zones = zone_survival(layers, [n.zone for n in plan.nodes])
+    zones = zone_survival(cube_presence(plan.count_cube), [n.zone for n in plan.nodes])
     return {
         "nodes": len(plan.nodes),
         "slots": plan.nodes[0].slots,
@@ -110,8 +110,8 @@ def render_table(plans: dict[str, Plan], failures: int) -> str:
     for k in range(1, failures + 1):
         lines.append(f"{k:<3} " + "  ".join(f"{plan.recovery[str(k)]:>8.3f}"
                                             for plan in plans.values()))
-    zones = {p: zone_survival([[list(s) for s in l.placement] for l in plan.layers],
-                              [n.zone for n in plan.nodes]) for p, plan in plans.items()}
+    zones = {p: zone_survival(cube_presence(plan.count_cube), [n.zone for n in plan.nodes])
+             for p, plan in plans.items()}
     if len(next(iter(zones.values()))) > 1:
         lines.append("zone  " + "  ".join(f"{p:>8}" for p in plans))
         for z in sorted(next(iter(zones.values()))):

@@ -180,6 +180,17 @@ def _counts(flat: np.ndarray, sizes: Sequence[int], num_experts: int | None) -> 
     return _Counts(np.asarray(flat, dtype=np.int64)[None, :], sizes, num_experts).counts[0]
 
 
+def count_cube(layers: Sequence[LayerPlan]) -> np.ndarray:
+    """[layer, node, expert]: every layer's ``counts`` as one array (the one they are views
+    of, where the layers were made together by ``LayerPlan.from_slots``)."""
+    batches = [layer.__dict__.get("_batch") for layer in layers]
+    if batches and all(b is not None and b[0] is batches[0][0] and b[1] == li
+                       for li, b in enumerate(batches)) \
+            and len(batches[0][0].slots) == len(layers):
+        return batches[0][0].counts
+    return np.stack([layer.counts for layer in layers])
+
+
 @dataclass(frozen=True)
 class Plan:
     generation: int
@@ -201,14 +212,8 @@ class Plan:
 
     @cached_property
     def count_cube(self) -> np.ndarray:
-        """[layer, node, expert]: every layer's ``counts`` as one array (the one they are
-        views of, where the layers were made together by ``LayerPlan.from_slots``)."""
-        batches = [layer.__dict__.get("_batch") for layer in self.layers]
-        if batches and all(b is not None and b[0] is batches[0][0] and b[1] == li
-                           for li, b in enumerate(batches)) \
-                and len(batches[0][0].slots) == len(self.layers):
-            return batches[0][0].counts
-        return np.stack([layer.counts for layer in self.layers])
+        """[layer, node, expert]: every layer's ``counts`` as one array (``count_cube``)."""
+        return count_cube(self.layers)
 
     @cached_property
     def slot_offsets(self) -> tuple[int, ...]:

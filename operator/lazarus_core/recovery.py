@@ -34,14 +34,20 @@ class Recovery:
     half_width: float = 0.0  # 95% confidence half-width when not exact
 
 
-def _presence(layers: Iterable[Placement]) -> np.ndarray:
+def presence(layers: Iterable[Placement]) -> np.ndarray:
     """[(layer, expert), node]: does the node hold a replica of it."""
     return np.concatenate([replica_counts(placement).T > 0 for placement in layers])
 
 
-def _minimal_masks(layers: Sequence[Placement], max_size: int | None = None) -> list[int]:
-    """``minimal_sets`` of the layers' node sets, from their presence matrix at once."""
-    present = _presence(layers)
+def cube_presence(cube: np.ndarray) -> np.ndarray:
+    """``presence`` from a [layer, node, expert] count cube (``Plan.count_cube``): a plan
+    already has it, and converting 4,096 GPUs' slots back from tuples took a fifth of
+    `lazarus plan`."""
+    return (cube > 0).transpose(0, 2, 1).reshape(-1, cube.shape[1])
+
+
+def _minimal_masks(present: np.ndarray, max_size: int | None = None) -> list[int]:
+    """``minimal_sets`` of the node sets of a ``presence`` matrix, at once."""
     if max_size is not None:
         present = present[present.sum(axis=1) <= max_size]
     return masks_of(minimal_rows(present))
@@ -99,19 +105,20 @@ def recovery_probability(layers: Sequence[Placement], k: int, seed: int = 0) -> 
     n = len(layers[0])
     if not 0 <= k <= n:
         raise ValueError(f"failures: k must be in 0..{n}, got {k}")
-    return _recovery_from_sets(_minimal_masks(layers, max_size=k), n, k, seed)
+    return _recovery_from_sets(_minimal_masks(presence(layers), max_size=k), n, k, seed)
 
 
-def recovery_curve(layers: Sequence[Placement], max_failures: int,
+def recovery_curve(present: np.ndarray, max_failures: int,
                    exact_only: bool = False, budget: int | None = None) -> list[Recovery]:
-    """Recovery for k = 1..max_failures, sharing the work across k.
+    """Recovery for k = 1..max_failures, sharing the work across k, of the node sets of a
+    ``presence`` matrix.
 
     With ``exact_only`` the curve stops before the first k that has no exact answer within
     ``budget`` set unions; otherwise such k fall back to enumeration or sampling.
     """
-    n = len(layers[0])
+    n = present.shape[1]
     max_failures = min(max_failures, n)
-    sets = _minimal_masks(layers, max_size=max_failures)
+    sets = _minimal_masks(present, max_size=max_failures)
     curve = []
     for k in range(1, max_failures + 1):
         r = _recovery_from_sets([s for s in sets if s.bit_count() <= k], n, k, 0,
@@ -199,10 +206,11 @@ class _SupersetTable:
         return bits
 
 
-def recovery_table(layers: Sequence[Placement], max_failures: int) -> dict[str, float]:
-    """Model-level recovery probability for k = 1..max_failures, keyed by str(k)."""
+def recovery_table(present: np.ndarray, max_failures: int) -> dict[str, float]:
+    """Model-level recovery probability for k = 1..max_failures, keyed by str(k), of the
+    node sets of a ``presence`` matrix."""
     return {str(k): r.probability
-            for k, r in enumerate(recovery_curve(layers, max_failures), start=1)}
+            for k, r in enumerate(recovery_curve(present, max_failures), start=1)}
 
 
 def _recovery_from_sets(sets: list[int], n: int, k: int, seed: int, exact_only: bool = False,
@@ -264,9 +272,10 @@ def _monte_carlo(sets: list[int], n: int, k: int, seed: int) -> Recovery:
     return Recovery(p, False, 1.96 * math.sqrt(max(p * (1 - p), 1e-12) / _SAMPLES))
 
 
-def zone_survival(layers: Sequence[Placement], zone_of: Sequence[str]) -> dict[str, bool]:
-    """For each zone: does every expert keep a replica when the whole zone is lost?"""
-    sets = _minimal_masks(layers)
+def zone_survival(present: np.ndarray, zone_of: Sequence[str]) -> dict[str, bool]:
+    """For each zone: does every expert keep a replica when the whole zone is lost?
+    (``present``: a ``presence`` matrix.)"""
+    sets = _minimal_masks(present)
     result = {}
     for zone in sorted(set(zone_of)):
         zone_mask = sum(1 << i for i, z in enumerate(zone_of) if z == zone)

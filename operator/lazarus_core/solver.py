@@ -14,8 +14,8 @@ from .anchor_search import largest_core
 from .balance import fill_counts, first_balanced
 from .mro import mro, place_anchored, place_toward_holders, restructure, structure
 from .placement import Placement, compact, spread
-from .plan import POLICIES, LayerPlan, Plan, PlanNode, validate
-from .recovery import masks_of, recovery_table
+from .plan import POLICIES, LayerPlan, Plan, PlanNode, count_cube, validate
+from .recovery import cube_presence, masks_of, recovery_table
 from .topology import NodeSpec, check_nodes, failure_domain_order
 
 DEFAULT_MAX_FAILURES = 5
@@ -131,7 +131,7 @@ def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_r
         reason=reason,
         nodes=tuple(plan_nodes),
         layers=layers,
-        recovery=(recovery_table([layer.placement for layer in layers], max_failures)
+        recovery=(recovery_table(cube_presence(count_cube(layers)), max_failures)
                   if max_failures else {}),
     ))
 

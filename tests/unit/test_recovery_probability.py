@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from lazarus_core import recovery
-from lazarus_core.recovery import masks_of, minimal_sets, recovery_probability, zone_survival
+from lazarus_core.recovery import (masks_of, minimal_sets, presence, recovery_probability,
+                                   zone_survival)
 
 
 def _brute_force(layers, k):
@@ -75,9 +76,9 @@ def test_only_minimal_sets_are_kept():
 
 def test_zone_loss_is_fatal_only_when_an_expert_lives_in_one_zone():
     layer = [[0, 0], [1, 1], [0, 0], [1, 1]]  # expert 0 on nodes {0, 2}, expert 1 on {1, 3}
-    assert zone_survival([layer], ["a", "b", "b", "a"]) == {"a": True, "b": True}
-    assert zone_survival([layer], ["a", "b", "a", "b"]) == {"a": False, "b": False}
-    assert zone_survival([layer], ["a", "b", "a", "c"]) == {"a": False, "b": True, "c": True}
+    assert zone_survival(presence([layer]), ["a", "b", "b", "a"]) == {"a": True, "b": True}
+    assert zone_survival(presence([layer]), ["a", "b", "a", "b"]) == {"a": False, "b": False}
+    assert zone_survival(presence([layer]), ["a", "b", "a", "c"]) == {"a": False, "b": True, "c": True}
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,3 +99,18 @@ def test_fatal_counts_beyond_the_bitmap_match_enumeration(data):
     # A budget too small for every k at once still counts the k that fit alone, exactly.
     short = recovery.fatal_counts(masks, n, 4, budget=len(masks) * 3)
     assert short == expected[:len(short)]
+
+
+def test_a_plans_count_cube_gives_the_presence_of_its_placements():
+    # Plans score recovery and zones from their count cube, not their nested slots: the two
+    # must name the same node sets, expert by expert and layer by layer, uneven nodes too.
+    from lazarus_core.recovery import cube_presence
+    from lazarus_core.solver import plan_job
+    from lazarus_core.topology import NodeSpec
+    nodes = [NodeSpec(f"n{i}", 1 + i % 2, 3) for i in range(7)]
+    plan = plan_job(nodes, 9, 3, 2, "mro", loads=[[1 / (e + l + 1) for e in range(9)]
+                                                   for l in range(3)], max_failures=4)
+    layers = [[list(s) for s in layer.placement] for layer in plan.layers]
+    assert (cube_presence(plan.count_cube) == presence(layers)).all()
+    assert plan.recovery == {str(k): recovery_probability(layers, k).probability
+                             for k in range(1, 5)}
