@@ -103,3 +103,19 @@ def test_the_papers_setting_keeps_its_best_recovery_with_balanced_ranks(tmp_path
         per_node = [sum(layer[e] / replicas[e] for e in slots) for slots in placement]
         worst = max(worst, max(per_node) / (sum(per_node) / len(per_node)))
     assert worst <= 1.05
+
+
+def test_a_command_imports_only_what_it_runs_on():
+    # `lazarus plan` is timed as a whole process at 4,096 GPUs: importing the simulator and
+    # the local runtime cost it a tenth of its second.
+    probe = ("import sys; from lazarus_cli.main import main; "
+             "main(['plan', '--nodes', '4', '--slots', '2', '--experts', '2', '--json']); "
+             "print(sorted(m for m in ('lazarus_sim', 'lazarus_runtime', 'yaml') "
+             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
+    # and every command still answers --help from the one parser that lists them all
+    listed = lazarus("--help")
+    assert listed.returncode == 0 and "{plan,run,simulate}" in listed.stdout
