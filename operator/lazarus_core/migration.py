@@ -271,7 +271,10 @@ def map_devices(old: Plan, nodes: Sequence[NodeSpec], slots: Sequence[Sequence[i
         owner = np.zeros(len(group) * cells, dtype=bits)
         for h in range(held_gpus):
             owner[(had[:, :, h] + base).ravel()] |= bits(1 << h)
-        holders = owner[wanted + base[..., None]]  # [node, layer, rank, slot]
+        # [node, layer, rank, slot], C-ordered: read as bytes below (an index array from
+        # the transposed ``_columns`` gives its own layout, and a wider type than a byte
+        # can only be viewed so along a contiguous last axis: nodes of over 8 GPUs)
+        holders = np.ascontiguousarray(owner[wanted + base[..., None]])
         # A replica a rank needs twice in a layer is kept once.
         for i in range(1, s):
             holders[..., i][(wanted[..., :i] == wanted[..., i:i + 1]).any(axis=-1)] = 0

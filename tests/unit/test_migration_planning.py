@@ -298,3 +298,23 @@ def test_a_fresh_structure_after_a_loss_copies_less_than_as_built(monkeypatch):
     assert traded[0] < built[0]
     assert traded[1] <= BALANCE_TARGET and built[1] <= BALANCE_TARGET
     assert traded[2] == built[2]
+
+
+@pytest.mark.parametrize("gpus", [9, 16])
+def test_nodes_of_more_than_eight_gpus_keep_each_rank_on_the_gpu_that_holds_it(gpus):
+    # 16-GPU nodes exist (A100 16g machines); a GPU bitmask wider than a byte once crashed.
+    from lazarus_core.migration import map_devices
+    from lazarus_core.plan import LayerPlan, Plan, PlanNode
+
+    held = list(range(gpus))  # GPU d of the node holds expert d, one slot each
+    old = Plan(generation=1, experts=gpus, min_replicas=1, policy="mro",
+               nodes=(PlanNode("big", tuple(range(gpus)), 1, devices=tuple(range(gpus))),),
+               layers=(LayerPlan((1,) * gpus, (tuple(held),)),))
+    wanted = held[3:] + held[:3]  # rank r now needs what GPU r + 3 holds
+    assert map_devices(old, [NodeSpec("big", gpus=gpus)], [wanted]) == [tuple(wanted)]
+    # and a whole re-plan over such nodes goes through
+    nodes = [NodeSpec(f"n{i}", gpus=gpus, slots_per_gpu=2) for i in range(4)]
+    plan = plan_job(nodes, 2 * gpus, 3, 2, "mro", loads=[[1 / (e + 1) for e in range(2 * gpus)]] * 3)
+    result = replan(plan, nodes[1:], "NodeLost", {n.name for n in nodes[1:]})
+    validate(result.plan)
+    assert result.migration.recoverable
