@@ -50,4 +50,9 @@ if [ "$(cat "$venv/.source" 2>/dev/null)" != "$source_id" ]; then
   quietly "$venv/bin/pip" install --no-deps --no-build-isolation -e "$LAZARUS_ROOT"
   echo "$source_id" > "$venv/.source"
 fi
+# Bytecode for this checkout's packages (an editable install is not compiled): where
+# PYTHONDONTWRITEBYTECODE is set, as on our machines, every `lazarus` process compiled ~50
+# modules again, 60-80 ms of `lazarus plan` at 4,096 GPUs. Only changed files are compiled
+# (50 ms when none is).
+quietly "$venv/bin/python" -m compileall -q "$LAZARUS_ROOT/operator" "$LAZARUS_ROOT/runtime"
 echo "$venv"
