@@ -84,9 +84,10 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     # 2. Pinned replicas onto their node's ranks, heaviest first, in snake order.
     # One integer key per replica (layer, node, heaviest first, expert id): a single stable
     # sort, several times faster than sorting by four keys.
+    # by_weight[l]: layer l's experts, heaviest first, then by id; heaviest: its inverse.
+    by_weight = np.lexsort((np.broadcast_to(np.arange(num_experts), r.shape), -w))
     heaviest = np.empty_like(r)
-    heaviest[np.arange(num_layers)[:, None], np.lexsort((np.broadcast_to(
-        np.arange(num_experts), r.shape), -w))] = np.arange(num_experts)
+    heaviest[np.arange(num_layers)[:, None], by_weight] = np.arange(num_experts)
     group = layer_of * n + nodes
     by_node = np.argsort(group * num_experts + heaviest[layer_of, experts], kind="stable")
     layer_of, nodes, experts, group = (layer_of[by_node], nodes[by_node], experts[by_node],
@@ -104,11 +105,13 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     room = rank_slots - np.bincount(ranks, minlength=num_layers * num_ranks)
 
     # 3. The rest in rounds: heaviest replicas to the least loaded ranks with room.
+    # In (layer, heaviest first, expert id) order: each expert's free replicas in turn, the
+    # experts in ``by_weight`` order (not a sort of the replicas: 160,000 in a plan at
+    # 1,024 GPUs).
     free = r - pinned_count
-    rest_layer = np.repeat(np.repeat(np.arange(num_layers), num_experts), free.ravel())
-    rest = np.repeat(np.tile(np.arange(num_experts), num_layers), free.ravel())
-    order = np.lexsort((rest, -w[rest_layer, rest], rest_layer))
-    rest_layer, rest = rest_layer[order], rest[order]
+    in_turn = np.take_along_axis(free, by_weight, axis=1).ravel()
+    rest_layer = np.repeat(np.repeat(np.arange(num_layers), num_experts), in_turn)
+    rest = np.repeat(by_weight.ravel(), in_turn)
     rest_start = np.searchsorted(rest_layer, np.arange(num_layers))
     left = free.sum(axis=1)
     rest_ranks = np.empty(len(rest), dtype=np.int64)
