@@ -91,12 +91,18 @@ def member_device(member: str) -> int:
     return int(device)
 
 
-@dataclass(frozen=True)
 class LayerPlan:
-    """Replica counts per expert (expert-id order) and the expert id in each node's slots."""
+    """Replica counts per expert (expert-id order) and the expert id in each node's slots.
 
-    replicas: tuple[int, ...]
-    placement: tuple[tuple[int, ...], ...]
+    Immutable, compared and hashed by (``replicas``, ``placement``) as a frozen dataclass
+    would be. ``placement`` is a tuple of slot tuples per node; a layer the solver made from
+    one array of slots (``from_slots``) keeps the array and makes the tuples on first use:
+    a plan at 1,024 GPUs holds 240,000 slots, and a plan that is built, validated,
+    compared by counts and published (``Plan.to_dict`` reads the array) never needs them.
+    """
+
+    def __init__(self, replicas: tuple[int, ...], placement: tuple[tuple[int, ...], ...]):
+        self.__dict__.update(replicas=replicas, placement=placement)
 
     @classmethod
     def from_slots(cls, replicas: Sequence[Sequence[int]], slots: np.ndarray,
@@ -108,13 +114,24 @@ class LayerPlan:
         time each."""
         slots = np.asarray(slots, dtype=np.int64)
         batch = _Counts(slots, sizes, len(replicas[0]) if len(replicas) else 0)
+        sizes = tuple(sizes)
         layers = []
         for li, (r, row) in enumerate(zip(replicas, slots)):
-            layer = cls(tuple(r), tuple(map(tuple, split_slots(row, sizes))))
-            layer.__dict__["flat"] = row  # cached_property's slot
-            layer.__dict__["_batch"] = (batch, li)
+            layer = cls.__new__(cls)
+            # cached_property's slots: ``placement`` is made from the row when first read
+            layer.__dict__.update(replicas=tuple(r), flat=row, sizes=sizes, _batch=(batch, li))
             layers.append(layer)
         return tuple(layers)
+
+    @cached_property
+    def placement(self) -> tuple[tuple[int, ...], ...]:
+        """Every node's slots, a tuple per node (made once, from ``flat``)."""
+        return tuple(map(tuple, split_slots(self.flat, self.sizes)))
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """How many slots each node has."""
+        return tuple(len(p) for p in self.placement)
 
     @cached_property
     def flat(self) -> np.ndarray:
@@ -128,7 +145,28 @@ class LayerPlan:
         if "_batch" in self.__dict__:
             batch, li = self.__dict__["_batch"]
             return batch.counts[li]
-        return _counts(self.flat, [len(p) for p in self.placement], len(self.replicas))
+        return _counts(self.flat, self.sizes, len(self.replicas))
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        if self.replicas != other.replicas:
+            return False
+        if "placement" not in self.__dict__ and "placement" not in other.__dict__:
+            return self.sizes == other.sizes and np.array_equal(self.flat, other.flat)
+        return self.placement == other.placement
+
+    def __hash__(self):
+        return hash((self.replicas, self.placement))
+
+    def __repr__(self):
+        return f"LayerPlan(replicas={self.replicas!r}, placement={self.placement!r})"
 
 
 def split_slots(slots: np.ndarray, sizes: Sequence[int]) -> list[list[int]]:
@@ -281,7 +319,7 @@ class Plan:
             "nodes": [{"name": n.name, "ranks": list(n.ranks),
                        "slots_per_rank": n.slots_per_rank, "zone": n.zone,
                        "devices": list(n.devices)} for n in self.nodes],
-            "layers": [{"replicas": list(l.replicas), "placement": list(map(list, l.placement))}
+            "layers": [{"replicas": list(l.replicas), "placement": split_slots(l.flat, l.sizes)}
                        for l in self.layers],
         }
 
@@ -451,7 +489,7 @@ def violations(plan: Plan) -> list[str]:
         where = f"layers[{li}]"
         if len(layer.replicas) != plan.experts:
             v.append(f"{where}.replicas: needs one count per expert ({plan.experts})")
-        if len(layer.placement) != len(plan.nodes):
+        if len(layer.sizes) != len(plan.nodes):
             v.append(f"{where}.placement: needs one slot list per node ({len(plan.nodes)})")
             continue
         v.extend(_layer_violations(where, layer, plan, node_slots))
@@ -466,7 +504,7 @@ def _layer_violations(where: str, layer: LayerPlan, plan: Plan, node_slots: np.n
     """One layer's slot counts, expert ids and replica counts, checked as arrays (a large
     plan has a million slots); the loops below only run to name what is wrong."""
     v = []
-    sizes = np.array([len(s) for s in layer.placement], dtype=np.int64)
+    sizes = np.array(layer.sizes, dtype=np.int64)
     for ni in np.flatnonzero(sizes != node_slots).tolist():
         node = plan.nodes[ni]
         v.append(f"{where}.placement[{ni}]: node {node.name} has {node.slots} slots, "
