@@ -86,30 +86,28 @@ def even_out(replicas: Sequence[int], loads: Sequence[float], keep: int) -> list
     r = list(replicas)
     if sum(loads) <= 0:
         return r
-    # Max-heap of load per replica; min-heap of load per replica after giving one away.
-    # Ties go by load, then id, so experts that look alike are treated alike in any order.
-    most = [(-t / n, -t, e) for e, (t, n) in enumerate(zip(loads, r)) if n]
-    least = [(t / (n - 1), t, e) for e, (t, n) in enumerate(zip(loads, r)) if n > keep]
-    heapq.heapify(most)
-    heapq.heapify(least)
-    while most and least:
-        neg, _, x = most[0]
-        if -neg != loads[x] / r[x]:
-            heapq.heappop(most)  # stale
-            continue
-        after, _, d = least[0]
-        if r[d] <= keep or after != loads[d] / (r[d] - 1):
-            heapq.heappop(least)  # stale
-            continue
-        if d == x or after >= -neg:
+    # Receivers come off a max-heap of load per replica (ties: more load, then id), donors
+    # off a min-heap of load per replica after giving one away (ties: less load, then id).
+    # The levels traded at only fall on the receiving side and only rise on the giving
+    # side, so no expert is ever on both: one that received would give back at the level
+    # it received at, above any level still to come, and one that gave would receive at
+    # the level it gave at, below any still to come. Each heap keeps only its own side's
+    # entries up to date; the other side's entry of an expert never comes first while a
+    # trade is still possible.
+    gain = [(-t / n, -t, e) for e, (t, n) in enumerate(zip(loads, r)) if n]
+    give = [(t / (n - 1), t, e) for e, (t, n) in enumerate(zip(loads, r)) if n > keep]
+    heapq.heapify(gain)
+    heapq.heapify(give)
+    while give:
+        neg, neg_load, x = gain[0]
+        after, load, d = give[0]
+        if after >= -neg:  # the donor would carry as much as the neediest: balanced
             break
         r[x] += 1
         r[d] -= 1
-        heapq.heapreplace(most, (-loads[x] / r[x], -loads[x], x))
-        heapq.heappush(most, (-loads[d] / r[d], -loads[d], d))
-        heapq.heappop(least)
+        heapq.heapreplace(gain, (neg_load / r[x], neg_load, x))
         if r[d] > keep:
-            heapq.heappush(least, (loads[d] / (r[d] - 1), loads[d], d))
-        if r[x] > keep:
-            heapq.heappush(least, (loads[x] / (r[x] - 1), loads[x], x))
+            heapq.heapreplace(give, (load / (r[d] - 1), load, d))
+        else:
+            heapq.heappop(give)
     return r

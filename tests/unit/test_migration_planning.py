@@ -314,7 +314,8 @@ def test_nodes_of_more_than_eight_gpus_keep_each_rank_on_the_gpu_that_holds_it(g
     assert map_devices(old, [NodeSpec("big", gpus=gpus)], [wanted]) == [tuple(wanted)]
     # and a whole re-plan over such nodes goes through
     nodes = [NodeSpec(f"n{i}", gpus=gpus, slots_per_gpu=2) for i in range(4)]
-    plan = plan_job(nodes, 2 * gpus, 3, 2, "mro", loads=[[1 / (e + 1) for e in range(2 * gpus)]] * 3)
+    loads = [[1 / (e + 1) for e in range(2 * gpus)]] * 3
+    plan = plan_job(nodes, 2 * gpus, 3, 2, "mro", loads=loads)
     result = replan(plan, nodes[1:], "NodeLost", {n.name for n in nodes[1:]})
     validate(result.plan)
     assert result.migration.recoverable

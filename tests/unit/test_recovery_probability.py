@@ -78,7 +78,8 @@ def test_zone_loss_is_fatal_only_when_an_expert_lives_in_one_zone():
     layer = [[0, 0], [1, 1], [0, 0], [1, 1]]  # expert 0 on nodes {0, 2}, expert 1 on {1, 3}
     assert zone_survival(presence([layer]), ["a", "b", "b", "a"]) == {"a": True, "b": True}
     assert zone_survival(presence([layer]), ["a", "b", "a", "b"]) == {"a": False, "b": False}
-    assert zone_survival(presence([layer]), ["a", "b", "a", "c"]) == {"a": False, "b": True, "c": True}
+    assert zone_survival(presence([layer]), ["a", "b", "a", "c"]) == {"a": False, "b": True,
+                                                                       "c": True}
 
 
 @settings(max_examples=60, deadline=None)

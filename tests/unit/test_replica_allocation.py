@@ -72,3 +72,41 @@ def test_infeasible_threshold_names_the_problem():
 def test_bad_input_is_a_clear_error(loads, f, match):
     with pytest.raises(ValueError, match=match):
         allocate_replicas(loads, 10, f)
+
+
+def _even_out_step_by_step(replicas, loads, keep):
+    """even_out's docstring, one trade at a time: from the expert whose replicas would
+    still carry the least after giving one (ties: less load, then id) to the one whose
+    replicas carry the most (ties: more load, then id), while that lowers the most."""
+    r = list(replicas)
+    if sum(loads) <= 0:
+        return r
+    while True:
+        x = min((e for e in range(len(r)) if r[e]), key=lambda e: (-loads[e] / r[e], -loads[e], e))
+        donors = [e for e in range(len(r)) if r[e] > keep]
+        if not donors:
+            return r
+        d = min(donors, key=lambda e: (loads[e] / (r[e] - 1), loads[e], e))
+        if d == x or loads[d] / (r[d] - 1) >= loads[x] / r[x]:
+            return r
+        r[x] += 1
+        r[d] -= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_evening_out_is_the_step_by_step_trade(data):
+    from lazarus_core.allocation import allocate_many, even_out
+    experts = data.draw(st.integers(1, 24))
+    nodes = data.draw(st.integers(1, 12))
+    f = data.draw(st.integers(1, 3))
+    slots = data.draw(st.integers(experts * f, experts * f + 120))
+    # Loads with ties (equal loads, loads in simple ratios) as well as random ones.
+    loads = data.draw(st.lists(st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.25, 1 / 3]),
+                                         st.floats(0, 10)), min_size=experts,
+                               max_size=experts))
+    replicas = allocate_many([loads], slots, f)[0]
+    keep = data.draw(st.sampled_from([nodes, 1, f]))
+    got = even_out(replicas, loads, keep)
+    assert got == _even_out_step_by_step(replicas, loads, keep)
+    assert sum(got) == sum(replicas)
