@@ -63,6 +63,7 @@ class Liveness:
         self.silent_s, self.suspect_s = silent_s, suspect_s
         self.hang_floor_s, self.hang_steps = hang_floor_s, hang_steps
         self._seen: dict[str, _Seen] = {}
+        self._first: dict[str, float] = {}  # when this tracker first heard each member
         self._suspicion_at: float | None = None
         self._step_s: deque[float] = deque(maxlen=50)
 
@@ -70,6 +71,7 @@ class Liveness:
         """Record what ``member``'s heartbeat key holds now (None: never beat yet)."""
         if beat is None:
             return
+        self._first.setdefault(member, now)
         seen = self._seen.get(member)
         if seen is None or beat.count != seen.count:
             self._seen[member] = _Seen(beat.count, now, beat.busy_s, beat.in_step)
@@ -105,7 +107,11 @@ class Liveness:
                 out[m] = f"no heartbeat for {quiet:.1f} s"
             else:
                 bound = self.hang_bound_s() if seen.in_step else BUSY_LIMIT_S
-                busy = seen.busy_s + quiet
+                # Counted from when this tracker first heard the worker at the earliest: a
+                # coordinator that just restarted meets loops that stood still while it was
+                # gone (waiting for it, or on a peer that died with it), and judged by their
+                # own clocks it took three healthy survivors for hung (11 s to recover).
+                busy = min(seen.busy_s + quiet, now - self._first[m])
                 if busy >= bound:
                     out[m] = (f"alive but its training loop has not moved for {busy:.0f} s "
                               f"(bound {bound:.0f} s)")

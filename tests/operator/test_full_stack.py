@@ -493,7 +493,9 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
                                           "slowdown": round(slowed / normal, 1),
                                           "replans": stack.generation() - generation,
                                           "lost": [e["worker"] for e in stack.events("lost")]})
-    assert slowed >= 4 * normal, (normal, slowed)  # really much slower
+    # Really much slower (six-fold in principle; 3.98-fold once, with other tests' processes
+    # still winding down on the 2 cores: the bound only has to tell a throttle from none).
+    assert slowed >= 3 * normal, (normal, slowed)
     assert stack.generation() == generation and stack.events("lost") == []
     stack.wait_step(stack.last_step() + 3)
 

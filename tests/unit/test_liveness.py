@@ -74,3 +74,21 @@ def test_a_worker_that_beats_again_is_alive_again_and_one_never_heard_is_not_jud
     beating(live, ["a"], T0 + 10, T0 + 11, counts=counts)  # SIGCONT
     assert live.lost(["a", "starting"], T0 + 11) == {}
     assert live.heard("a") and not live.heard("starting")
+
+
+def test_a_restarted_coordinator_judges_stalls_from_when_it_first_hears_each_worker():
+    # The old coordinator died with a worker; the survivors' loops stood still for 10 s,
+    # waiting for it, before this one started. They are not hung for that...
+    live = Liveness()
+    for _ in range(10):
+        live.step_took(0.1)
+    counts = beating(live, ["a", "b"], T0, T0 + 1, busy=lambda t: 10 + t - T0)
+    assert live.lost(["a", "b"], T0 + 1) == {}
+    # ...a loop that moves again is fine, and one that still does not move after the bound
+    # counted from this coordinator's first hearing is a hang.
+    beating(live, ["a"], T0 + 1 + BEAT_S, T0 + HANG_FLOOR_S + 1, counts=counts)
+    beating(live, ["b"], T0 + 1 + BEAT_S, T0 + HANG_FLOOR_S + 1, busy=lambda t: 10 + t - T0,
+            counts=counts)
+    assert live.lost(["a", "b"], T0 + HANG_FLOOR_S - 1) == {}
+    lost = live.lost(["a", "b"], T0 + HANG_FLOOR_S + 1)
+    assert list(lost) == ["b"] and "training loop has not moved" in lost["b"]
