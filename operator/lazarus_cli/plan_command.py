@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from lazarus_core.loads import parse_loads
-from lazarus_core.plan import POLICIES, Plan
+from lazarus_core.plan import POLICIES, Plan, split_slots
 from lazarus_core.recovery import cube_presence, zone_survival
 from lazarus_core.solver import check_size, plan_job
 from lazarus_core.topology import NodeSpec
@@ -72,7 +72,8 @@ def parse_zones(spec: str, num_nodes: int) -> list[str]:
 
 def plan_summary(plan: Plan) -> dict:
     node_index = {n.name: i for i, n in enumerate(plan.nodes)}
-    layers = [[list(s) for s in layer.placement] for layer in plan.layers]
+    # Lists straight from the solver's slot arrays (as Plan.to_dict), no per-node tuples.
+    layers = [split_slots(layer.flat, layer.sizes) for layer in plan.layers]
     zones = zone_survival(cube_presence(plan.count_cube), [n.zone for n in plan.nodes])
     return {
         "nodes": len(plan.nodes),
