@@ -14,11 +14,16 @@
 #   hack/cluster.sh path        print the cached tools' directories (kubectl, helm, ...) for PATH
 #
 # LAZARUS_CLUSTER_NAME (default: lazarus) selects the cluster, so a test can run its own.
+# LAZARUS_HEARTBEAT_FACTOR (default: 1) slows the nodes' heartbeats down that many times, as
+# kwokctl does by default (5) for clusters of thousands of simulated nodes (see ``create``).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 source "$LAZARUS_ROOT/hack/control-plane-versions.sh"
 
 name=${LAZARUS_CLUSTER_NAME:-lazarus}
+heartbeat_factor=${LAZARUS_HEARTBEAT_FACTOR:-1}
+[[ $heartbeat_factor =~ ^[1-9][0-9]*$ ]] \
+  || die "LAZARUS_HEARTBEAT_FACTOR must be a whole number >= 1, got '$heartbeat_factor'"
 # kwokctl keeps clusters under ~/.kwok by default; keep ours with the rest of the cache.
 export KWOK_WORKDIR="$LAZARUS_CACHE/kwok"
 # kwokctl would download kubectl for its own use; give it ours.
@@ -32,13 +37,13 @@ kubectl=("$KUBE_BIN_DIR/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s
 healthy() { [ -f "$kubeconfig" ] && "${kubectl[@]}" get --raw /readyz >/dev/null 2>&1; }
 
 # A cluster made before a pin in control-plane-versions.sh changed runs the old binaries; one
-# made before the heartbeat factor below, 200 s node leases.
+# made with another heartbeat factor, other node leases (40 s times the factor).
 current() {
   local dir
   for dir in "$KUBE_BIN_DIR" "$ETCD_BIN_DIR" "$KWOK_BIN_DIR"; do
     grep -qF "Binary: $dir/" "$cluster_dir/kwok.yaml" 2>/dev/null || return 1
   done
-  grep -qx "  nodeLeaseDurationSeconds: 40" "$cluster_dir/kwok.yaml"
+  grep -qx "  nodeLeaseDurationSeconds: $((40 * heartbeat_factor))" "$cluster_dir/kwok.yaml"
 }
 
 create() {
@@ -46,7 +51,9 @@ create() {
   # kwokctl slows every heartbeat down five-fold for clusters of thousands of nodes (200 s
   # node leases, a node lifecycle controller that looks every 25 s); ours are few, so they
   # get Kubernetes' defaults back: NotReady is seen in seconds, and a restarted kwok takes
-  # over the nodes' leases within 40 s.
+  # over the nodes' leases within 40 s. bench_operator_replan.py's 2,000 nodes are not few:
+  # on 2 cores kwok then renews their leases too late, and every few seconds some go
+  # NotReady for a moment (a pod the operator must replace, and two re-plans, each time).
   "${kwokctl[@]}" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$KUBE_BIN_DIR/kube-apiserver" \
     --kube-controller-manager-binary "$KUBE_BIN_DIR/kube-controller-manager" \
@@ -55,7 +62,7 @@ create() {
     --kwok-controller-binary "$KWOK_BIN_DIR/kwok" \
     --kube-authorization --kube-admission \
     --config "$LAZARUS_ROOT/hack/kwok-stages.yaml" \
-    --heartbeat-factor 1 \
+    --heartbeat-factor "$heartbeat_factor" \
     --kubeconfig "" --wait 2m --timeout 3m 9>&-
 }
 

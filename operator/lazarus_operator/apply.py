@@ -60,9 +60,8 @@ class JobRecord:
     yielded: bool = False
     # When the last pass that acted began to look at the cluster (``time.monotonic()``).
     looked: float = 0.0
-    # Whether the last pass left a relist the heartbeat asked for to the next
-    # (``Reconciler._relists``).
-    relist_waited: bool = False
+    # Held while the heartbeat lists the job's pods and nodes (``Reconciler._resync``).
+    listing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def new_failures(self, obs: Observation) -> list[core.WorkerFailed]:
         """The failures in ``obs`` not yet told to the controller."""
@@ -172,10 +171,12 @@ class Applier:
                  timing: str) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         plan = d.plan
+        writing = time.perf_counter()
         cm = builders.build_plan_configmap(name, namespace, plan, tuple(draining))
         kopf.adopt(cm, owner=body)
         record.plan_version = write_plan(self.core, cm, record.plan_version)
         elapsed = time.perf_counter() - started
+        timing += f", write {time.perf_counter() - writing:.3f} s"
         labels = (namespace, name)
         if plan.generation > 1:
             metrics.RECONFIGURATIONS.labels(*labels, plan.reason).inc()

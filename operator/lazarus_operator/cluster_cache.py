@@ -2,9 +2,12 @@
 
 A re-plan must not wait for a list of 500 pods or a lookup of each node, so passes read
 pods, nodes and the state ConfigMap the coordinator writes from here, kept current by the
-watch handlers. The cache can never drift far: a fresh job state and the periodic heartbeat
-pass list the job's pods in full, re-read their nodes and the state, which catches anything
-a watch missed.
+watch handlers. The cache can never drift far: ``resync`` lists the job's pods in full,
+re-reads their nodes and the state, which catches anything a watch missed; a fresh job
+state's pass calls it, and the heartbeat calls it between passes (``Reconciler._resync``).
+What a watch delivers while a list is being read is newer than the list, and the list never
+undoes it: every event is numbered, and a list keeps only what no event newer than its
+start has touched.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ class ClusterCache:
         # Nodes the watch saw deleted: known gone without asking the API server (a spot
         # reclaim deletes many at once, and each lookup would delay the re-plan).
         self.gone: set[str] = set()
-        # A number for each node event, and each node's latest: a list of the nodes that
-        # began before a node's latest event must not undo it (``refresh_nodes``).
-        self._node_events = itertools.count(1)
-        self._node_event_of: dict[str, int] = {}
+        # A number for each event, and the latest of each node, pod and state ConfigMap: a
+        # list that began before an object's latest event must not undo it (``resync``).
+        self._events = itertools.count(1)
+        self._event_of: dict[tuple[str, ...], int] = {}
         self._pods: dict[tuple[Key, str], dict[str, dict]] = {}  # (job, role) -> pods
         self._fingerprints: dict[tuple[str, str], tuple] = {}
         self._states: dict[Key, dict[str, str]] = {}
@@ -48,7 +51,7 @@ class ClusterCache:
         existence)."""
         after = NodeInfo.from_manifest(node) if node is not None else None
         with self._guard:
-            self._node_event_of[name] = next(self._node_events)
+            self._event_of[("node", name)] = next(self._events)
             before = self.nodes.get(name)
             if after is None:
                 self.nodes.pop(name, None)
@@ -66,6 +69,7 @@ class ClusterCache:
         name = pod["metadata"]["name"]
         key = (job[0], name)
         with self._guard:
+            self._event_of[("pod", *job, name)] = next(self._events)
             pods = self._pods.setdefault((job, role), {})
             if deleted:
                 pods.pop(name, None)
@@ -81,6 +85,7 @@ class ClusterCache:
     def state_changed(self, job: Key, data: dict[str, str] | None) -> bool:
         """Record the job's state ConfigMap (None: deleted); whether it changed."""
         with self._guard:
+            self._event_of[("state", *job)] = next(self._events)
             before = self._states.get(job)
             self._states[job] = dict(data or {})
             return before != self._states[job]
@@ -91,41 +96,77 @@ class ClusterCache:
                 for name in self._pods.pop((job, role), {}):
                     self._fingerprints.pop((job[0], name), None)
             self._states.pop(job, None)
+            for key in [k for k in self._event_of if k[:3] in (("pod", *job), ("state", *job))]:
+                del self._event_of[key]
 
     # --- read by passes ------------------------------------------------------------------
 
-    def pods(self, job: Key, role: str, full: bool) -> list[dict]:
-        """The job's pods of ``role``: from the watch, or, with ``full``, listed afresh (and
-        their nodes then re-read with ``refresh_nodes``). Pods this operator created moments
-        ago may not be in the cache yet: creating them again meets "already exists", which is
-        harmless."""
-        if not full:
-            with self._guard:
-                return list(self._pods.get((job, role), {}).values())
-        pods = [slim_pod(p) for page in list_json_pages(
-            self.core.list_namespaced_pod, job[0],
-            label_selector=f"{JOB_LABEL}={job[1]},{ROLE_LABEL}={role}") for p in page]
+    def pods(self, job: Key, role: str) -> list[dict]:
+        """The job's pods of ``role`` as the watch and the latest ``resync`` left them. Pods
+        this operator created moments ago may not be in the cache yet: creating them again
+        meets "already exists", which is harmless."""
         with self._guard:
-            self._pods[(job, role)] = {p["metadata"]["name"]: p for p in pods}
-        return pods
+            return list(self._pods.get((job, role), {}).values())
 
-    def state(self, job: Key, owner_uid: str, full: bool) -> dict[str, str]:
-        """The data of the job's state ConfigMap: from the watch (which records only the
-        job's own), or read afresh; empty if the ConfigMap of that name is not the job's
-        (``owner_uid``): a ConfigMap in the way is the job's NameConflict, never its state."""
-        if full or job not in self._states:
-            try:
-                cm = self.core.read_namespaced_config_map(state_configmap_name(job[1]), job[0])
-                owners = cm.metadata.owner_references or []
-                data = (cm.data or {}) if any(r.uid == owner_uid for r in owners) else {}
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-                data = {}
-            with self._guard:
-                self._states[job] = dict(data)
+    def state(self, job: Key, owner_uid: str) -> dict[str, str]:
+        """The data of the job's state ConfigMap (read once if neither the watch nor a
+        ``resync`` has brought it yet)."""
         with self._guard:
-            return dict(self._states[job])
+            known = job in self._states
+        if not known:
+            self._read_state(job, owner_uid)
+        with self._guard:
+            return dict(self._states.get(job, {}))
+
+    def resync(self, job: Key, owner_uid: str) -> None:
+        """List the job's pods of every role afresh, re-read the nodes they run on and the
+        job's state: what a watch missed is caught here. On a loaded control plane at a
+        thousand pods and a few thousand nodes this takes seconds (bench_operator_replan.py),
+        so passes do not wait for it, except a fresh job state's."""
+        pods = [pod for role in ROLES for pod in self._list_pods(job, role)]
+        self._refresh_nodes(pods)
+        self._read_state(job, owner_uid)
+
+    def _list_pods(self, job: Key, role: str) -> list[dict]:
+        """The job's pods of ``role`` listed afresh, into the cache: a pod whose watch event
+        came after the list began stays as that event left it (deleted ones too)."""
+        listing = self._event()
+        listed = {p["metadata"]["name"]: slim_pod(p) for page in list_json_pages(
+            self.core.list_namespaced_pod, job[0],
+            label_selector=f"{JOB_LABEL}={job[1]},{ROLE_LABEL}={role}") for p in page}
+        with self._guard:
+            cached = self._pods.get((job, role), {})
+            pods = {}
+            for name in listed.keys() | cached.keys():
+                newer = self._event_of.get(("pod", *job, name), 0) > listing
+                pod = (cached if newer else listed).get(name)
+                if pod is not None:
+                    pods[name] = pod
+                elif not newer:
+                    self._event_of.pop(("pod", *job, name), None)  # gone for good
+            self._pods[(job, role)] = pods
+            return list(pods.values())
+
+    def _read_state(self, job: Key, owner_uid: str) -> None:
+        """Read the job's state ConfigMap into the cache, empty if the ConfigMap of that name
+        is not the job's (``owner_uid``): a ConfigMap in the way is the job's NameConflict,
+        never its state. An event the watch delivered meanwhile is newer and stays."""
+        reading = self._event()
+        try:
+            cm = self.core.read_namespaced_config_map(state_configmap_name(job[1]), job[0])
+            owners = cm.metadata.owner_references or []
+            data = (cm.data or {}) if any(r.uid == owner_uid for r in owners) else {}
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            data = {}
+        with self._guard:
+            if self._event_of.get(("state", *job), 0) < reading:
+                self._states[job] = dict(data)
+
+    def _event(self) -> int:
+        with self._guard:
+            return next(self._events)
 
     def node_infos(self, pods: Iterable[dict]) -> dict[str, NodeInfo | None]:
         """Each pod's node, None when it no longer exists."""
@@ -144,23 +185,23 @@ class ClusterCache:
             infos[node] = self.nodes.get(node)
         return infos
 
-    def refresh_nodes(self, pods: Iterable[dict]) -> None:
+    def _refresh_nodes(self, pods: Iterable[dict]) -> None:
         """Re-read the nodes these pods run on: the node watch may have missed a deletion.
         It lists every node in the cluster, so it is called once for all the job's pods.
         What the watch delivered while the list was read is newer than the list, which can
         take seconds at a few thousand nodes: a reclaim's deletions that came meanwhile must
-        not come back to life until the next relist."""
+        not come back to life."""
         names = {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}
         if not names:
             return
-        listing = next(self._node_events)
+        listing = self._event()
         present: dict[str, NodeInfo] = {}
         for page in list_json_pages(self.core.list_node):
             present.update((n["metadata"]["name"], NodeInfo.from_manifest(n))
                            for n in page if n["metadata"]["name"] in names)
         with self._guard:
             for node in names:
-                if self._node_event_of.get(node, 0) > listing:
+                if self._event_of.get(("node", node), 0) > listing:
                     continue
                 if node in present:
                     self.nodes[node] = present[node]

@@ -41,7 +41,8 @@ Key = tuple[str, str]  # (namespace, job name)
 # NODE_SETTLE_S after the first (see ``request_settled``).
 NODE_QUIET_S = 0.2
 NODE_SETTLE_S = 1.0
-# A pass with a full list of the job's pods and nodes runs at least this often.
+# A pass runs at least this often, each after a full list of the job's pods and nodes
+# (``Reconciler._resync``).
 RELIST_S = 10.0
 
 
@@ -58,7 +59,6 @@ class Reconciler:
         self.applier = Applier(self.core, self.custom, client.PolicyV1Api(api), clock,
                                coordinator_port)
         self.jobs: dict[Key, JobRecord] = {}
-        self._relist_due: set[Key] = set()
         self._jobs_guard = threading.Lock()
 
     # --- entry points (the kopf handlers) ------------------------------------------------
@@ -109,7 +109,6 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         with self._jobs_guard:
             self.jobs.pop((namespace, name), None)
-            self._relist_due.discard((namespace, name))
         self.queue.forget(namespace, name)
         self.cache.forget((namespace, name))
         metrics.forget(namespace, name)
@@ -139,25 +138,25 @@ class Reconciler:
             # heartbeat looks again, two or three requests every RELIST_S.
             record.state = None
             self.applier.conflict(body, e)
+        uid = body["metadata"]["uid"]
         self.queue.request_after(namespace, name, RELIST_S, "heartbeat",
-                                 before=lambda: self._mark_relist(key))
+                                 before=lambda: self._resync(key, uid, record))
 
     def _pass(self, record: JobRecord, key: Key, body: dict, spec: JobSpec,
               started: float) -> None:
         namespace, name = key
         fresh = record.state is None
+        uid = body["metadata"]["uid"]
         if fresh:
             record.state, record.plan_version = rebuild_state(
                 self.core, body, spec, self.cache.nodes, self.settings, self.clock)
         state = record.state
         looked = time.monotonic()  # a node change after this is news to the pass
-        relist = self._relists(record, key, fresh)
-        uid = body["metadata"]["uid"]
-        pods = self.cache.pods(key, "worker", full=relist)
-        coordinators = self.cache.pods(key, "coordinator", full=relist)
-        if relist:
-            self.cache.refresh_nodes([*pods, *coordinators])
-        progress, suspects = read_state_configmap(self.cache.state(key, uid, full=relist))
+        if fresh:
+            self.cache.resync(key, uid)
+        pods = self.cache.pods(key, "worker")
+        coordinators = self.cache.pods(key, "coordinator")
+        progress, suspects = read_state_configmap(self.cache.state(key, uid))
         obs = observe_workers(pods, self.cache.node_infos(pods), spec, uid, suspects)
         coordinator = observe_coordinator(coordinators, self.cache.node_infos(coordinators), uid)
         observed = time.perf_counter()
@@ -200,8 +199,8 @@ class Reconciler:
 
     def _superseded(self, record: JobRecord, key: Key, looked: float, fresh: bool) -> bool:
         """Whether to leave what this pass decided to the next one, because node changes of
-        the job came after it ``looked``: a pass that began just before a reclaim (the
-        heartbeat's relist takes seconds on a loaded control plane) or at a pause in its
+        the job came after it ``looked``: a pass that began just before a reclaim (a fresh
+        state's list takes seconds on a loaded control plane) or at a pause in its
         deletions would publish a plan that still holds nodes already gone, and its pods'
         replacements would hold back the plan without them by a second or more. The next
         pass is the one those changes asked for (``request_settled``), due within
@@ -216,30 +215,28 @@ class Reconciler:
             log.debug("%s/%s: node changes came during the pass; the next one decides", *key)
         return superseded
 
-    def _relists(self, record: JobRecord, key: Key, fresh: bool) -> bool:
-        """Whether this pass lists the job's pods and nodes afresh: a fresh state's does, and
-        the first after the heartbeat asked, unless node changes came since the last pass
-        that acted looked. That pass re-plans for them, training waits for its plan, and
-        the lists (a thousand pods, every node in the cluster) take seconds on a loaded
-        control plane: the relist waits for the pass after it, no longer, for it is what
-        corrects a node watch that lags behind or missed an event."""
-        replanning = self.queue.changed_since(*key, "settle", record.looked)
+    def _resync(self, key: Key, uid: str, record: JobRecord) -> None:
+        """The heartbeat's full list of the job's pods, their nodes and its state
+        (``ClusterCache.resync``), on the heartbeat's own thread before its pass: in the
+        pass it held back the re-plan of a reclaim that came meanwhile by the list's
+        length, 3 to 6 s at 2,000 nodes on a loaded control plane (bench_operator_replan.py).
+        One at a time per job; a failed one is logged, and the next heartbeat lists again."""
+        if not record.listing.acquire(blocking=False):
+            return  # the last heartbeat's list is still being read
+        try:
+            self.cache.resync(key, uid)
+        except Exception:  # noqa: BLE001 - the pass still runs, from what the watches say
+            log.warning("%s/%s: could not list the job's pods and nodes", *key, exc_info=True)
+        finally:
+            record.listing.release()
         with self._jobs_guard:
-            due = key in self._relist_due
-            record.relist_waited = (due and not fresh and replanning
-                                    and not record.relist_waited)
-            if fresh or (due and not record.relist_waited):
-                self._relist_due.discard(key)
-                return True
-            return False
+            gone = key not in self.jobs
+        if gone:  # the job went while its pods were listed: they must not stay cached
+            self.cache.forget(key)
 
     def _record(self, key: Key) -> JobRecord:
         with self._jobs_guard:
             return self.jobs.setdefault(key, JobRecord())
-
-    def _mark_relist(self, key: Key) -> None:
-        with self._jobs_guard:
-            self._relist_due.add(key)
 
 
 def _names_owner(meta: dict, job: str) -> bool:

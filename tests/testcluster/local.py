@@ -12,8 +12,9 @@ UP_TIMEOUT_S = 45 * 60
 DOWN_TIMEOUT_S = 120
 
 
-def _run(command: str, *, name: str | None, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _run(command: str, *, name: str | None, timeout: float,
+         heartbeat_factor: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, LAZARUS_HEARTBEAT_FACTOR=str(heartbeat_factor))
     if name:
         env["LAZARUS_CLUSTER_NAME"] = name
     try:
@@ -24,9 +25,11 @@ def _run(command: str, *, name: str | None, timeout: float) -> subprocess.Comple
         raise RuntimeError(f"hack/cluster.sh {command} did not finish in {timeout:g} s:\n{e.stderr}") from None
 
 
-def up(name: str | None = None) -> tuple[Path, str]:
-    """Start (or reuse) the local cluster. Returns its kubeconfig and the script's log."""
-    result = _run("up", name=name, timeout=UP_TIMEOUT_S)
+def up(name: str | None = None, heartbeat_factor: int = 1) -> tuple[Path, str]:
+    """Start (or reuse) the local cluster. Returns its kubeconfig and the script's log.
+    ``heartbeat_factor``: hack/cluster.sh's LAZARUS_HEARTBEAT_FACTOR (a cluster made with
+    another is made again)."""
+    result = _run("up", name=name, timeout=UP_TIMEOUT_S, heartbeat_factor=heartbeat_factor)
     if result.returncode != 0:
         raise RuntimeError(f"hack/cluster.sh up failed (exit {result.returncode}):\n{result.stderr}")
     return Path(result.stdout.strip().splitlines()[-1]), result.stderr
