@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..job_spec import JobSpec
 from ..plan import Plan
@@ -72,8 +73,10 @@ class JobState:
     finished: bool = False
     settings: Settings = field(default_factory=Settings)
 
-    @property
+    @cached_property
     def alive(self) -> frozenset[str]:
+        # Computed once per state (states are immutable): status and the operator's node
+        # events ask for it once per node, a thousand times a pass at a thousand nodes.
         return frozenset(n.name for n in self.nodes)
 
     @property
