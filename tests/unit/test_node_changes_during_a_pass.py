@@ -301,3 +301,65 @@ def test_an_overtaken_pass_leaves_the_pods_and_status_to_the_pass_that_is_due():
         applier.apply(record, BODY, SPEC, state, c.Outcome(state), obs, None, 0.0, "",
                       lambda: overtaken)
         assert applier.calls == calls
+
+
+class PublishingCore:
+    """The calls ``Applier._publish`` makes: the plan written, and the pods patched."""
+
+    def __init__(self):
+        self.annotated = []
+
+    def create_namespaced_config_map(self, namespace, cm):
+        return SimpleNamespace(metadata=SimpleNamespace(resource_version="1"))
+
+    def create_namespaced_event(self, namespace, event):
+        pass
+
+    def patch_namespaced_pod(self, name, namespace, patch):
+        self.annotated.append(name)
+
+
+class InTurn:
+    """An executor that runs each task as it is submitted."""
+
+    def submit(self, fn, *args):
+        fn(*args)
+
+
+def _annotated(changes_after: int, monkeypatch) -> list[str]:
+    """The pods annotated once generation 1 on four nodes is published, when node changes
+    come after ``changes_after`` looks (the fan-out looks once, then once per pod)."""
+    from lazarus_operator import apply
+
+    monkeypatch.setattr(apply, "ANNOTATE_AFTER_S", 0.0)
+    nodes = ["n0", "n1", "n2", "n3"]
+    r, applied, _ = _reconciler(nodes)
+    record = r._record(KEY)
+    record.state = c.new_job(SPEC, r.settings)
+    _run(r, record)
+    publish = next(d for o in applied for d in o.decisions if isinstance(d, c.PublishPlan))
+    applier = Applier(client.CoreV1Api(client.ApiClient()), None, None, lambda: 0.0, 2379)
+    applier.core, applier._background = PublishingCore(), InTurn()
+    looks, done = [], threading.Event()
+
+    def overtaken():
+        looks.append(None)
+        if len(looks) == 1 + len(nodes):
+            done.set()
+        return len(looks) > changes_after
+
+    obs = Observation(pod_on={n: f"j-worker-{i}" for i, n in enumerate(nodes)})
+    body = {"apiVersion": "lazarus.dev/v1alpha1", "kind": "LazarusJob", **BODY}
+    applier._publish(JobRecord(), body, publish, frozenset(), obs, 0.0, "", overtaken)
+    done.wait(5)
+    return applier.core.annotated
+
+
+def test_pods_are_annotated_with_the_generation_published(monkeypatch):
+    assert sorted(_annotated(10, monkeypatch)) == [f"j-worker-{i}" for i in range(4)]
+
+
+def test_pods_are_not_annotated_with_a_generation_that_node_changes_overtook(monkeypatch):
+    # A new generation is due: the fan-out (a thousand patches at a thousand nodes) must not
+    # compete with its re-plan; that generation's own fan-out covers the pods.
+    assert len(_annotated(2, monkeypatch)) == 1
