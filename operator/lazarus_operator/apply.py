@@ -7,6 +7,7 @@ retried, or run again by an operator that restarted half-way, does no harm.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -60,8 +61,10 @@ class JobRecord:
     yielded: bool = False
     # When the last pass that acted began to look at the cluster (``time.monotonic()``).
     looked: float = 0.0
-    # Held while the heartbeat lists the job's pods and nodes (``Reconciler._resync``).
+    # Held while the heartbeat lists the job's pods and nodes (``Reconciler._resync``), and
+    # when the last list ended (``time.monotonic()``).
     listing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    listed_at: float = -math.inf
 
     def new_failures(self, obs: Observation) -> list[core.WorkerFailed]:
         """The failures in ``obs`` not yet told to the controller."""

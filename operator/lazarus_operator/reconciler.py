@@ -41,9 +41,13 @@ Key = tuple[str, str]  # (namespace, job name)
 # NODE_SETTLE_S after the first (see ``request_settled``).
 NODE_QUIET_S = 0.2
 NODE_SETTLE_S = 1.0
-# A pass runs at least this often, each after a full list of the job's pods and nodes
-# (``Reconciler._resync``).
-RELIST_S = 10.0
+# A pass runs at least this often (the heartbeat).
+HEARTBEAT_S = 10.0
+# The heartbeat lists the job's pods and nodes in full at most this often
+# (``Reconciler._resync``): at 1,024 pods and 2,000 nodes a list costs this process 2-3 s
+# of CPU, which every 10 s competed with the re-plans. What a watch misses waits this long
+# at most; a lost worker does not, as the coordinator reports it.
+RELIST_S = 60.0
 
 
 class Reconciler:
@@ -135,11 +139,11 @@ class Reconciler:
             self._pass(record, key, body, spec, started)
         except ObjectConflict as e:
             # Nothing of the job runs while a name it needs is someone else's; the
-            # heartbeat looks again, two or three requests every RELIST_S.
+            # heartbeat looks again, two or three requests every HEARTBEAT_S.
             record.state = None
             self.applier.conflict(body, e)
         uid = body["metadata"]["uid"]
-        self.queue.request_after(namespace, name, RELIST_S, "heartbeat",
+        self.queue.request_after(namespace, name, HEARTBEAT_S, "heartbeat",
                                  before=lambda: self._resync(key, uid, record))
 
     def _pass(self, record: JobRecord, key: Key, body: dict, spec: JobSpec,
@@ -154,6 +158,7 @@ class Reconciler:
         looked = time.monotonic()  # a node change after this is news to the pass
         if fresh:
             self.cache.resync(key, uid)
+            record.listed_at = time.monotonic()
         pods = self.cache.pods(key, "worker")
         coordinators = self.cache.pods(key, "coordinator")
         progress, suspects = read_state_configmap(self.cache.state(key, uid))
@@ -220,11 +225,15 @@ class Reconciler:
         (``ClusterCache.resync``), on the heartbeat's own thread before its pass: in the
         pass it held back the re-plan of a reclaim that came meanwhile by the list's
         length, 3 to 6 s at 2,000 nodes on a loaded control plane (bench_operator_replan.py).
-        One at a time per job; a failed one is logged, and the next heartbeat lists again."""
+        One at a time per job, at most every RELIST_S; a failed one is logged, and the next
+        heartbeat lists again."""
+        if time.monotonic() - record.listed_at < RELIST_S:
+            return
         if not record.listing.acquire(blocking=False):
             return  # the last heartbeat's list is still being read
         try:
             self.cache.resync(key, uid)
+            record.listed_at = time.monotonic()
         except Exception:  # noqa: BLE001 - the pass still runs, from what the watches say
             log.warning("%s/%s: could not list the job's pods and nodes", *key, exc_info=True)
         finally:

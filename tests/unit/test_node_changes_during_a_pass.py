@@ -16,7 +16,7 @@ from lazarus_operator.apply import Applier, JobRecord
 from lazarus_operator.cluster_cache import ClusterCache
 from lazarus_operator.job_queue import JobQueue
 from lazarus_operator.observe import NodeInfo, Observation
-from lazarus_operator.reconciler import Reconciler
+from lazarus_operator.reconciler import RELIST_S, Reconciler
 
 KEY = ("ns", "j")
 UID = "uid-j"
@@ -159,6 +159,9 @@ def test_a_reclaim_is_re_planned_while_the_heartbeat_is_still_listing_the_pods()
     finally:
         r.cache.listing.set()
         heartbeat.join()
+    r._resync(KEY, UID, record)  # a list ended just now: the next is due in RELIST_S
+    assert r.cache.resyncs == 1
+    record.listed_at -= RELIST_S
     r._resync(KEY, UID, record)
     assert r.cache.resyncs == 2
 
