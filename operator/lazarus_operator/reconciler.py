@@ -225,18 +225,18 @@ class Reconciler:
         (``ClusterCache.resync``), on the heartbeat's own thread before its pass: in the
         pass it held back the re-plan of a reclaim that came meanwhile by the list's
         length, 3 to 6 s at 2,000 nodes on a loaded control plane (bench_operator_replan.py).
-        One at a time per job, at most every RELIST_S; a failed one is logged, and the next
-        heartbeat lists again."""
+        One at a time per job, at most every RELIST_S, a failed one too (it is logged, and
+        the passes go on from what the watches say)."""
         if time.monotonic() - record.listed_at < RELIST_S:
             return
         if not record.listing.acquire(blocking=False):
             return  # the last heartbeat's list is still being read
         try:
             self.cache.resync(key, uid)
-            record.listed_at = time.monotonic()
-        except Exception:  # noqa: BLE001 - the pass still runs, from what the watches say
+        except Exception:  # noqa: BLE001 - see above
             log.warning("%s/%s: could not list the job's pods and nodes", *key, exc_info=True)
         finally:
+            record.listed_at = time.monotonic()
             record.listing.release()
         with self._jobs_guard:
             gone = key not in self.jobs

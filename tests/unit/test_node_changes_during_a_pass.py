@@ -48,6 +48,7 @@ class FakeCache:
         self.listing = threading.Event()  # set: a ``resync`` may finish
         self.listing.set()
         self.resyncs = 0
+        self.refused = False
 
     def pods(self, key, role):
         return list(self.workers) if role == "worker" else []
@@ -55,6 +56,8 @@ class FakeCache:
     def resync(self, key, uid):
         self.resyncs += 1
         assert self.listing.wait(10), "the list was never let finish"
+        if self.refused:
+            raise client.ApiException(status=403, reason="Forbidden")
 
     def state(self, key, uid):
         return {}
@@ -160,6 +163,19 @@ def test_a_reclaim_is_re_planned_while_the_heartbeat_is_still_listing_the_pods()
         r.cache.listing.set()
         heartbeat.join()
     r._resync(KEY, UID, record)  # a list ended just now: the next is due in RELIST_S
+    assert r.cache.resyncs == 1
+    record.listed_at -= RELIST_S
+    r._resync(KEY, UID, record)
+    assert r.cache.resyncs == 2
+
+
+def test_a_list_the_api_server_refuses_is_logged_and_tried_again_a_relist_later(caplog):
+    r, _, _ = _reconciler(["n0", "n1"])
+    record = r._record(KEY)
+    r.cache.refused = True
+    r._resync(KEY, UID, record)  # does not raise: the heartbeat's pass still runs
+    assert "could not list the job's pods and nodes" in caplog.text
+    r._resync(KEY, UID, record)  # not once per heartbeat
     assert r.cache.resyncs == 1
     record.listed_at -= RELIST_S
     r._resync(KEY, UID, record)
