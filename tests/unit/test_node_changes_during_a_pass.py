@@ -48,6 +48,7 @@ class FakeCache:
         self.listing = threading.Event()  # set: a ``resync`` may finish
         self.listing.set()
         self.resyncs = 0
+        self.entered = threading.Event()  # set: a ``resync`` has begun
         self.refused = False
 
     def pods(self, key, role):
@@ -55,6 +56,7 @@ class FakeCache:
 
     def resync(self, key, uid):
         self.resyncs += 1
+        self.entered.set()
         assert self.listing.wait(10), "the list was never let finish"
         if self.refused:
             raise client.ApiException(status=403, reason="Forbidden")
@@ -153,6 +155,7 @@ def test_a_reclaim_is_re_planned_while_the_heartbeat_is_still_listing_the_pods()
     r.cache.listing.clear()
     heartbeat = threading.Thread(target=r._resync, args=(KEY, UID, record))
     heartbeat.start()
+    assert r.cache.entered.wait(10)
     try:
         _lose(r, "n1")
         _run(r, record)
