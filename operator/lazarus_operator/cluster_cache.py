@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -26,15 +27,22 @@ from .observe import NodeInfo, pod_fingerprint, slim_pod
 
 Key = tuple[str, str]  # (namespace, job name)
 ROLES = ("worker", "coordinator")
+# A deleted node is remembered as gone this long. By then no job's pod names it any more (a
+# pass deletes the pods stranded on it), and a spot cluster that names every new node anew
+# would otherwise grow the set with each node it ever lost. One that a pod still names after
+# that is looked up once (``node_infos``), and found gone.
+GONE_KEPT_S = 3600.0
 
 
 class ClusterCache:
-    def __init__(self, core: client.CoreV1Api):
+    def __init__(self, core: client.CoreV1Api, clock: Callable[[], float] = time.monotonic):
         self.core = core
+        self.clock = clock
         self.nodes: dict[str, NodeInfo] = {}
-        # Nodes the watch saw deleted: known gone without asking the API server (a spot
-        # reclaim deletes many at once, and each lookup would delay the re-plan).
-        self.gone: set[str] = set()
+        # Nodes seen deleted, and when, oldest first: known gone without asking the API
+        # server (a spot reclaim deletes many at once, and each lookup would delay the
+        # re-plan).
+        self.gone: dict[str, float] = {}
         # A number for each event, and the latest of each node, pod and state ConfigMap: a
         # list that began before an object's latest event must not undo it (``resync``).
         self._events = itertools.count(1)
@@ -55,10 +63,10 @@ class ClusterCache:
             before = self.nodes.get(name)
             if after is None:
                 self.nodes.pop(name, None)
-                self.gone.add(name)
+                self._went(name)
             else:
                 self.nodes[name] = after
-                self.gone.discard(name)
+                self.gone.pop(name, None)
         return before is None or after is None or (before.ready, before.taints) != (
             after.ready, after.taints)
 
@@ -182,6 +190,8 @@ class ClusterCache:
                 except ApiException as e:
                     if e.status != 404:
                         raise
+                    with self._guard:
+                        self._went(node)
             infos[node] = self.nodes.get(node)
         return infos
 
@@ -205,7 +215,18 @@ class ClusterCache:
                     continue
                 if node in present:
                     self.nodes[node] = present[node]
-                    self.gone.discard(node)
+                    self.gone.pop(node, None)
                 else:
                     self.nodes.pop(node, None)
-                    self.gone.add(node)
+                    self._went(node)
+
+    def _went(self, node: str) -> None:
+        """Remember ``node`` as gone, and forget those gone for longer than GONE_KEPT_S
+        (with the guard held)."""
+        now = self.clock()
+        self.gone.pop(node, None)  # to the end: the dict stays in the order they went
+        self.gone[node] = now
+        while (oldest := next(iter(self.gone))) != node and (
+                self.gone[oldest] < now - GONE_KEPT_S):
+            del self.gone[oldest]
+            self._event_of.pop(("node", oldest), None)

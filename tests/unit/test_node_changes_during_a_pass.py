@@ -385,3 +385,37 @@ def test_pods_are_not_annotated_with_a_generation_that_node_changes_overtook(mon
     # A new generation is due: the fan-out (a thousand patches at a thousand nodes) must not
     # compete with its re-plan; that generation's own fan-out covers the pods.
     assert len(_annotated(2, monkeypatch)) == 1
+
+
+def test_a_node_gone_for_long_is_forgotten_and_looked_up_again_if_a_pod_names_it():
+    """A spot cluster names each new node anew: the cache must not remember every node it
+    ever lost. One still named by a pod after that is asked for once, and found gone."""
+    from kubernetes.client.exceptions import ApiException
+
+    from lazarus_operator.cluster_cache import GONE_KEPT_S
+
+    now = [0.0]
+    lookups = []
+
+    def read_node(name, **_):
+        lookups.append(name)
+        raise ApiException(status=404, reason="Not Found")
+
+    cache = ClusterCache(SimpleNamespace(read_node=read_node), clock=lambda: now[0])
+    for i in range(100):
+        cache.node_changed(_node(f"spot-{i}"), f"spot-{i}")
+        cache.node_changed(None, f"spot-{i}")
+        now[0] += 1.0
+    assert len(cache.gone) == 100
+    assert cache.node_infos([_worker("spot-3", 0)]) == {"spot-3": None} and lookups == []
+
+    now[0] += GONE_KEPT_S - 50.0  # the first 50 went more than GONE_KEPT_S ago
+    cache.node_changed(None, "spot-100")
+    assert sorted(cache.gone) == sorted(f"spot-{i}" for i in range(50, 101))
+    assert ("node", "spot-3") not in cache._event_of
+    assert cache.node_infos([_worker("spot-3", 0)]) == {"spot-3": None}
+    assert cache.node_infos([_worker("spot-3", 0)]) == {"spot-3": None}
+    assert lookups == ["spot-3"], "a node found gone is remembered as gone"
+    # A node that comes back is no longer gone; deleted again, it counts from then.
+    cache.node_changed(_node("spot-60"), "spot-60")
+    assert "spot-60" not in cache.gone and "spot-60" in cache.nodes
