@@ -51,6 +51,10 @@ RECONNECT_WAIT_S = 10.0
 # A worker found lost and silent ever since is forgotten after this long: Kubernetes has long
 # seen its node or pod go by then.
 FORGET_LOST_S = 600.0
+# After the last step the coordinator serves its store until every rank of the plan has
+# exited or is lost (they read the stop, and write the last checkpoint, through it), but no
+# longer than this: a rank that neither leaves nor goes silent cannot hold the job open.
+FINISH_WAIT_S = 300.0
 
 log = logging.getLogger("lazarus.coordinator")
 
@@ -206,6 +210,7 @@ class ClusterCoordinator:
         self.suspects: dict[str, str] = {}
         self.lost_since: dict[str, float] = {}
         self.stopping = threading.Event()
+        self.finished_at: float | None = None  # when the last step was committed
 
     def run(self) -> None:
         # Stopping (SIGTERM) tells the workers nothing: this pod may be being replaced, and
@@ -216,7 +221,10 @@ class ClusterCoordinator:
 
     def tick(self) -> None:
         """Take the newest plan if it can be published now, commit a prepared step, and
-        say which workers are lost."""
+        say which workers are lost; once the job is done, wait for its ranks to leave."""
+        if self.finished_at is not None:
+            self._await_exits()
+            return
         self._follow_plans()
         prepared = self.steps.poll()
         if prepared is not None:
@@ -249,7 +257,22 @@ class ClusterCoordinator:
         if last:
             self.state.flush()  # the operator learns from it that the job is done
             emit("finished", step=prepared.step)
-            self.stopping.set()
+            self.finished_at = time.monotonic()
+
+    def _await_exits(self) -> None:
+        """Stop once every rank of the last plan has exited or is lost. Stopping at the last
+        commit took the store from ranks that had not read it yet: they reconnected for
+        minutes, and their pods failed though the job had finished."""
+        members = sorted(self.steps.directive.plan.members())
+        gone = self.steps.lost_workers(members)
+        left = [m for m in members if m not in gone]
+        if not left:
+            emit("stopped", workers=len(members))
+        elif time.monotonic() - self.finished_at > FINISH_WAIT_S:
+            emit("stopped", workers=len(members), still_running=left)
+        else:
+            return
+        self.stopping.set()
 
     def _ready(self, p: Published) -> bool:
         """Every worker of the plan is up: a plan naming a worker still importing torch

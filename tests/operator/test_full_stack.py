@@ -627,6 +627,8 @@ def test_a_job_with_spec_steps_trains_that_many_and_finishes(cluster, stack, scr
     # Every process exits 0; the pods stay, with their logs, and none replaces them.
     wait_until(lambda: set(phases().values()) == {"Succeeded"}, timeout=30,
                what="the coordinator and workers to exit 0", describe=lambda: str(phases()))
+    # Its store served until both ranks had left: none was cut off before reading the stop.
+    assert [e.get("still_running") for e in stack.events("stopped")] == [None]
     settle(3)
     assert sorted(phases()) == ["e2e-coordinator-0", "e2e-worker-0", "e2e-worker-1"]
 

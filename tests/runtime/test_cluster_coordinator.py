@@ -5,6 +5,7 @@ The workers' side of the channel is played by hand here (hello, fetched, prepare
 each decision is visible as the keys the real workers would read."""
 import datetime
 import threading
+import time
 
 import pytest
 
@@ -136,15 +137,74 @@ def test_a_stalled_plan_is_published_at_once_though_every_member_is_alive(job):
     assert chan.latest() == 2 and chan.directive(2).transfers == ()
 
 
-def test_the_last_step_stops_the_workers_and_the_coordinator(job):
-    chan, plans, progress = job
+def finish(chan, plans, progress) -> ClusterCoordinator:
+    """A coordinator of a 2-step job that has just committed its last step."""
     coord = running(chan, plans, progress, total_steps=2)
     for step in (1, 2):
         prepare(chan, 1, step, world=4)
         coord.tick()
-
-    assert chan.stopped() and coord.stopping.is_set() and progress.flushed.is_set()
+    assert chan.stopped() and progress.flushed.is_set()
     assert progress.reports[-1].step == 2
+    return coord
+
+
+def look_again(coord: ClusterCoordinator) -> None:
+    """Let the next tick read the store (lost_workers reads it at most every BEAT_S)."""
+    coord.steps._looked_at = float("-inf")
+
+
+def test_the_last_step_stops_the_workers_and_the_coordinator_once_they_left(job):
+    chan, plans, progress = job
+    coord = finish(chan, plans, progress)
+    # The workers still read the stop (and write the last checkpoint) through its store.
+    coord.tick()
+    assert not coord.stopping.is_set()
+    members = [member_name(n.name, 0) for n in NODES]
+    for m in members[:3]:
+        chan.rank_exited(m, RankExit(0, "", "pod"))
+    look_again(coord)
+    coord.tick()
+    assert not coord.stopping.is_set(), "stopped before the last rank left"
+    chan.rank_exited(members[3], RankExit(0, "", "pod"))
+    look_again(coord)
+    coord.tick()
+    assert coord.stopping.is_set()
+    assert progress.suspects == {}, "ranks that finished were reported lost"
+
+
+def test_a_finished_job_does_not_wait_for_a_silent_rank(job, monkeypatch):
+    from lazarus_core.liveness import Beat
+
+    chan, plans, progress = job
+    coord = finish(chan, plans, progress)
+    members = [member_name(n.name, 0) for n in NODES]
+    for m in members:
+        chan.beat(m, Beat(1, 0.0))
+    look_again(coord)
+    coord.tick()  # every rank beats: it waits
+    for m in members[1:]:
+        chan.rank_exited(m, RankExit(0, "", "pod"))
+    look_again(coord)
+    coord.tick()
+    assert not coord.stopping.is_set()
+    # members[0] never exits but stops beating (its pod went with its node).
+    liveness = coord.steps.liveness
+    monkeypatch.setattr(time, "monotonic", lambda real=time.monotonic: real() + liveness.silent_s)
+    look_again(coord)
+    coord.tick()
+    assert coord.stopping.is_set()
+
+
+def test_a_finished_job_stops_waiting_for_a_rank_after_the_bound(job, monkeypatch):
+    import lazarus_runtime.cluster_coordinator as cc
+
+    chan, plans, progress = job
+    coord = finish(chan, plans, progress)
+    coord.tick()  # no rank ever beat or exited (they never started for real)
+    assert not coord.stopping.is_set()
+    coord.finished_at -= cc.FINISH_WAIT_S + 1
+    coord.tick()
+    assert coord.stopping.is_set()
 
 
 def test_a_replacement_coordinator_carries_on_from_what_the_workers_hold(job):
