@@ -68,6 +68,19 @@ def _compatible(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]) -> np.
     return a[:, None] == b[None, :]
 
 
+def _assignment():
+    """scipy's linear_sum_assignment. Imported when first needed, not at the top: it doubles
+    the start-up time of every `lazarus` command, and most never re-plan."""
+    from scipy.optimize import linear_sum_assignment
+    return linear_sum_assignment
+
+
+def preload() -> None:
+    """Import now what a re-plan imports when first needed: a long-running operator calls it
+    at start-up, or its first re-plan after a restart waits for scipy (0.6 s here)."""
+    _assignment()
+
+
 def _shapes(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]):
     """One code per node and per position: equal codes may play each other (zone, slots,
     GPUs)."""
@@ -79,13 +92,9 @@ def _shapes(nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec]):
 def map_nodes_optimal(old: Plan, nodes: Sequence[NodeSpec], positions: Sequence[NodeSpec],
                       layers: Sequence[Placement]) -> list[int]:
     """position -> index into ``nodes``, keeping the most replicas in place."""
-    # scipy is imported here, not at the top: it doubles the start-up time of every
-    # `lazarus` command, and only a re-plan of spread or compact placements gets here.
-    from scipy.optimize import linear_sum_assignment
-
     gain = _retained(old, nodes, layers)
     cost = np.where(_compatible(nodes, positions), -gain, _FORBIDDEN)
-    rows, cols = linear_sum_assignment(cost)
+    rows, cols = _assignment()(cost)
     mapping = [0] * len(positions)
     for r, c in zip(rows, cols):
         mapping[c] = r
@@ -317,7 +326,5 @@ def _assigned(devices: tuple[int, ...], before: tuple[int, ...], kept: np.ndarra
         if d in row:
             gain[:, column] = kept[:, row[d]]
 
-    from scipy.optimize import linear_sum_assignment  # lazily, as in map_nodes_optimal
-
-    ranks, columns = linear_sum_assignment(-gain)
+    ranks, columns = _assignment()(-gain)
     return tuple(devices[c] for _, c in sorted(zip(ranks, columns)))

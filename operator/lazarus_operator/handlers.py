@@ -15,6 +15,7 @@ from kubernetes import client, config
 from lazarus_core.cluster_contract import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION
 from lazarus_core.controller import Settings, not_ready
 from lazarus_core.job_spec import SpecError, parse_manifest
+from lazarus_core.migration import preload
 
 from . import builders
 from .kube_api import rfc3339
@@ -46,6 +47,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # A standby replica takes over once the active one misses its keep-alives for this long
     # (kopf's default is 60 s, a long time for a job whose nodes are being reclaimed).
     settings.peering.lifetime = 15
+    preload()  # not on the first re-plan's critical path
 
 
 @kopf.on.create(JOBS)
