@@ -471,10 +471,10 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
     normal = pace(time.time() - 4, time.time())
     stop = threading.Event()
 
-    def throttle():  # the worker gets a sixth of the CPU time, in 60 ms periods
+    def throttle():  # the worker gets a tenth of the CPU time, in 100 ms periods
         while not stop.is_set():
             signal_all(procs, signal.SIGSTOP)
-            time.sleep(0.05)
+            time.sleep(0.09)
             signal_all(procs, signal.SIGCONT)
             time.sleep(0.01)
 
@@ -488,13 +488,15 @@ def test_a_throttled_worker_slows_the_steps_but_costs_no_replan(cluster, stack, 
         thread.join()
         signal_all(procs, signal.SIGCONT)
     slowed = pace(started + 2, time.time())
-    record("worker throttled five-fold", {"normal_step_s": round(normal, 3),
+    record("worker throttled ten-fold", {"normal_step_s": round(normal, 3),
                                           "throttled_step_s": round(slowed, 3),
                                           "slowdown": round(slowed / normal, 1),
                                           "replans": stack.generation() - generation,
                                           "lost": [e["worker"] for e in stack.events("lost")]})
-    # Really much slower (six-fold in principle; 3.98-fold once, with other tests' processes
-    # still winding down on the 2 cores: the bound only has to tell a throttle from none).
+    # Really much slower. Ten-fold in principle, less in practice: on 2 cores the stopped
+    # worker's CPU goes to the other ranks, so a step slows by less than the throttle (a
+    # sixth of the CPU time gave only 2.69-3.98-fold, too near this bound). The bound only
+    # has to tell a throttle from none.
     assert slowed >= 3 * normal, (normal, slowed)
     assert stack.generation() == generation and stack.events("lost") == []
     stack.wait_step(stack.last_step() + 3)
