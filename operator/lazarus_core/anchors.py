@@ -71,25 +71,30 @@ def anchors_of(placements: Sequence[Placement], replicas: Sequence[Sequence[int]
 def anchors_of_presence(presence: Sequence[np.ndarray], replicas: Sequence[Sequence[int]],
                         largest: int | None = None) -> list[LayerAnchors]:
     """``anchors_of`` from each layer's [expert, node] presence (``Plan`` keeps its counts)."""
-    every = np.concatenate(presence)
-    if largest is not None:
-        every = every[np.count_nonzero(every, axis=1) <= largest]
-    cores = minimal_rows(every)
-    sizes = cores.sum(axis=1)
-    masks = masks_of(cores) + [0]
-    # One product for every layer (float32: exact for counts of up to 2^24 nodes, and it
-    # runs on BLAS, unlike integers).
-    contained = (np.concatenate(presence).astype(np.float32) @ cores.T.astype(np.float32)
-                 == sizes)
-    # cores are sorted by size: the first one contained is the smallest
-    contained = np.concatenate((contained, np.ones((len(contained), 1), dtype=bool)), axis=1)
-    # the last column (no core) if none is
-    which = np.array(masks, dtype=object)[contained.argmax(axis=1)].tolist()
+    cores, which = smallest_cores(np.concatenate(presence), largest)
+    masks = np.array(masks_of(cores) + [0], dtype=object)  # index -1 (no core): mask 0
+    which = masks[which].tolist()
     out, start = [], 0
     for present, counts in zip(presence, replicas):
         out.append(LayerAnchors(tuple(counts), tuple(which[start:start + len(present)])))
         start += len(present)
     return out
+
+
+def smallest_cores(every: np.ndarray, largest: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The cores of [pair, node] presence rows, [core, node] smallest first (the minimal
+    rows among those of at most ``largest`` nodes), and each row's smallest core as an
+    index into them (-1 where its node set contains none)."""
+    rows = every if largest is None else every[np.count_nonzero(every, axis=1) <= largest]
+    cores = minimal_rows(rows)
+    if not len(cores):
+        return cores, np.full(len(every), -1)
+    # One product for every row (float32: exact for counts of up to 2^24 nodes, and it
+    # runs on BLAS, unlike integers); cores are sorted by size: the first one contained is
+    # the smallest.
+    contained = every.astype(np.float32) @ cores.T.astype(np.float32) == cores.sum(axis=1)
+    return cores, np.where(contained.any(axis=1), contained.argmax(axis=1), -1)
 
 
 def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequence[int],

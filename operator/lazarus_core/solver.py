@@ -11,11 +11,13 @@ from .anchors import anchors_of_presence, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
-from .balance import fill_counts, first_balanced
-from .mro import mro, place_anchored, place_toward_holders, restructure, structure
+from .balance import BALANCE_TARGET, busiest_rank, fill_counts, first_balanced
+from .carry import carry
+from .mro import (REPLAN_FAILURES, mro, place_anchored, place_toward_holders, restructure,
+                  structure)
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, count_cube, validate
-from .recovery import cube_presence, masks_of, recovery_table
+from .recovery import cube_presence, fatal_counts, masks_of, minimal_rows, recovery_table
 from .topology import NodeSpec, check_nodes, failure_domain_order
 
 DEFAULT_MAX_FAILURES = 5
@@ -62,9 +64,13 @@ def allocate_layers(loads: Sequence[Sequence[float]] | None, layers: int, expert
                     total_slots: int, min_replicas: int) -> list[list[int]]:
     if loads is None:
         loads = [[1.0] * experts] * layers
+    check_loads(loads, layers, experts)
+    return allocate_many(loads, total_slots, min_replicas)
+
+
+def check_loads(loads: Sequence[Sequence[float]], layers: int, experts: int) -> None:
     if len(loads) != layers or any(len(l) != experts for l in loads):
         raise ValueError(f"loads: need {layers} layers x {experts} experts of load")
-    return allocate_many(loads, total_slots, min_replicas)
 
 
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
@@ -94,15 +100,21 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
 
 def _positions(nodes, experts, layers, min_replicas, loads):
     """Node order and the replicas per layer that the allocation formula gives."""
+    ordered = _order(nodes, experts, layers)
+    return ordered, allocate_layers(loads, layers, experts, sum(n.slots for n in ordered),
+                                    min_replicas)
+
+
+def _order(nodes, experts, layers) -> list[NodeSpec]:
+    """The nodes in position order (``topology.failure_domain_order``), once the sizes are
+    checked."""
     if experts < 1:
         raise ValueError(f"experts: must be >= 1, got {experts}")
     if layers < 1:
         raise ValueError(f"layers: must be >= 1, got {layers}")
     check_nodes(list(nodes))
     check_size(len(nodes), max(n.slots for n in nodes), experts, layers)
-    ordered = failure_domain_order(list(nodes))
-    return ordered, allocate_layers(loads, layers, experts, sum(n.slots for n in ordered),
-                                    min_replicas)
+    return failure_domain_order(list(nodes))
 
 
 def build_plan(ordered: Sequence[NodeSpec], replicas, placements, experts, min_replicas,
@@ -175,42 +187,82 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
 
     ``sources`` are the old plan's nodes that can still send expert state.
     """
+    def finish(ordered, placements, devices=None) -> Replan:
+        if not isinstance(placements, np.ndarray):
+            placements = np.array([np.concatenate(p) for p in placements], dtype=np.int64)
+        # Each rank of a node is played by the GPU of that node that holds most of what it
+        # needs.
+        if devices is None:
+            devices = map_devices(old, ordered, placements)
+        plan = build_plan(ordered, fill_counts(placements, old.experts).tolist(), placements,
+                          old.experts, old.min_replicas, old.policy, old.generation + 1,
+                          reason, max_failures, devices)
+        return Replan(plan, plan_transfers(old, plan, sources))
+
     if old.policy != "mro":
-        positions, replicas, placements = layout(nodes, old.experts, len(old.layers),
-                                                 old.min_replicas, old.policy, loads)
+        positions, _, placements = layout(nodes, old.experts, len(old.layers),
+                                          old.min_replicas, old.policy, loads)
         mapping = map_nodes_optimal(old, list(nodes), positions, placements)
         # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
-        ordered = [nodes[i] for i in mapping]
-    else:
-        # MRO works on the nodes themselves: the cores that survived keep their experts.
-        ordered, replicas = _positions(nodes, old.experts, len(old.layers), old.min_replicas,
-                                       loads)
-        slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
-        references = _references(old, ordered, sources)
-        every = masks_of((references > 0).transpose(0, 2, 1).reshape(-1, len(ordered)))
-        holders = [every[i:i + old.experts] for i in range(0, len(every), old.experts)]
-        options = restructure(replicas, slots, loads, gpus, surviving_cores(old, ordered),
-                              holders, [layer.replicas for layer in old.layers])
-        weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
+        return finish([nodes[i] for i in mapping], placements)
+    ordered = _order(nodes, old.experts, len(old.layers))
+    if loads is not None:
+        check_loads(loads, len(old.layers), old.experts)
+    # A loss: the survivors keep their slots (carry.py), where that balances the ranks;
+    # where it does not, it is kept only if it is no worse than a plan made afresh.
+    carried = carry(old, ordered, loads, sources)
+    if carried is not None:
+        kept = finish(ordered, carried.placements, carried.devices)
+        if carried.balance <= BALANCE_TARGET:
+            return kept
+    rebuilt = finish(*_restructured(old, ordered, sources, loads))
+    if carried is not None and _no_worse(kept, rebuilt, loads):
+        return kept
+    return rebuilt
 
-        def fill(make, fresh):
-            anchors = make()
-            if not fresh:
-                return ordered, place_anchored(anchors, slots, weights, gpus, references,
-                                               trade=loads is not None)
-            # Built on positions: the nodes that hold its anchors play them.
-            on = map_anchors(anchors, ordered, references)
-            return on, place_toward_holders(anchors, slots, weights, gpus,
-                                            _references(old, on, sources),
-                                            trade=loads is not None)
 
-        ordered, placements = first_balanced(
-            [lambda option=option: fill(*option) for option in options], weights, gpus, slots)
-        replicas = fill_counts(placements, old.experts).tolist()
-    # Each rank of a node is played by the GPU of that node that holds most of what it needs.
-    if not isinstance(placements, np.ndarray):
-        placements = np.array([np.concatenate(p) for p in placements], dtype=np.int64)
-    devices = map_devices(old, ordered, placements)
-    plan = build_plan(ordered, replicas, placements, old.experts, old.min_replicas,
-                      old.policy, old.generation + 1, reason, max_failures, devices)
-    return Replan(plan, plan_transfers(old, plan, sources))
+def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
+                  loads: Sequence[Sequence[float]] | None):
+    """MRO on the nodes themselves: the cores that survived keep their experts
+    (``mro.restructure``), the rest is filled afresh; (nodes in position order, placement).
+    """
+    replicas = allocate_layers(loads, len(old.layers), old.experts,
+                               sum(n.slots for n in ordered), old.min_replicas)
+    slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
+    references = _references(old, ordered, sources)
+    every = masks_of((references > 0).transpose(0, 2, 1).reshape(-1, len(ordered)))
+    holders = [every[i:i + old.experts] for i in range(0, len(every), old.experts)]
+    options = restructure(replicas, slots, loads, gpus, surviving_cores(old, ordered),
+                          holders, [layer.replicas for layer in old.layers])
+    weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
+
+    def fill(make, fresh):
+        anchors = make()
+        if not fresh:
+            return ordered, place_anchored(anchors, slots, weights, gpus, references,
+                                           trade=loads is not None)
+        # Built on positions: the nodes that hold its anchors play them.
+        on = map_anchors(anchors, ordered, references)
+        return on, place_toward_holders(anchors, slots, weights, gpus,
+                                        _references(old, on, sources),
+                                        trade=loads is not None)
+
+    return first_balanced([lambda option=option: fill(*option) for option in options],
+                          weights, gpus, slots)
+
+
+def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:
+    """Whether the carried re-plan is at least as good as the rebuilt one on all three
+    counts: fatal failure sets up to ``REPLAN_FAILURES`` nodes (as ``mro.restructure``
+    compares re-plans), the busiest rank, and replicas moved."""
+    loads = loads if loads is not None else [[1.0] * kept.plan.experts] * len(kept.plan.layers)
+    return (all(a <= b for a, b in zip(_fatal_sets(kept.plan), _fatal_sets(rebuilt.plan)))
+            and busiest_rank(kept.plan, loads) <= busiest_rank(rebuilt.plan, loads)
+            and kept.migration.experts_migrated <= rebuilt.migration.experts_migrated)
+
+
+def _fatal_sets(plan: Plan) -> list[int]:
+    """How many sets of k nodes lose some expert's every replica, k = 1..REPLAN_FAILURES."""
+    present = cube_presence(plan.count_cube)
+    present = present[present.sum(axis=1) <= REPLAN_FAILURES]
+    return fatal_counts(masks_of(minimal_rows(present)), len(plan.nodes), REPLAN_FAILURES)

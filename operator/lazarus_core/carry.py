@@ -1,0 +1,355 @@
+"""Carrying a plan over a loss: the surviving nodes keep their slots, and only what the loss
+broke is placed again.
+
+After a loss the survivors still hold the old plan's replicas, anchored (``anchors.py``)
+and balanced. A fresh structure and fill of every layer (``mro.restructure``,
+``balance.fill_layers``) is most of a re-plan's time at 1,024 GPUs, and copies more
+replicas than the loss needs. Here, layer by layer:
+
+1. Counts. Every expert needs ceil(t_e / (BALANCE_TARGET * m)) replicas, m being the load
+   per surviving slot, and at least f: then no replica carries more than BALANCE_TARGET
+   times a slot's mean, so where every rank has as many slots, no rank carries more than
+   BALANCE_TARGET times a rank's mean. Experts above their need give replicas up, those
+   below get new ones in the slots given up: the only replicas copied.
+2. Recovery. A core that lost a node gets a fresh node in its place (a node of no other
+   core, the same for every layer), and each of its experts a replica there: the cores
+   keep their sizes and stay disjoint, so every failure count has as many fatal sets as
+   the old plan's cores would have on as many nodes. An expert on at least ``largest``
+   nodes has no fatal set at the failure counts scored (``anchor_search.largest_core``):
+   one whose core is gone and that will have that many replicas only needs to be on that
+   many nodes again. Anchors never give a replica up: an expert keeps its core, or at
+   least ``largest`` nodes.
+3. Balance. Replicas are given up from the busiest ranks first, and the new ones go
+   heaviest first to the ranks left lightest. Where a layer has too few to give up, its
+   lightest new replicas are not made, and the ranks may end above BALANCE_TARGET.
+
+``carry`` answers None where this does not apply: a node new to the plan, changed, or
+unable to send its replicas; counts that do not fit; a core with no node to take the lost
+one's place. ``solver.replan`` then makes the plan afresh; it does so too where the
+carried plan's ranks end above BALANCE_TARGET, and keeps the carried one only if it is no
+worse on recovery, balance and replicas moved.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .anchor_search import largest_core
+from .anchors import smallest_cores
+from .balance import BALANCE_TARGET, layer_balance
+from .plan import Plan
+from .topology import NodeSpec
+
+# Loads are floats: a need that is a whole number but for rounding is that number.
+_ROUNDING = 1e-9
+
+
+@dataclass(frozen=True)
+class Carried:
+    placements: np.ndarray  # [layer, slot]: every position's slots in node order
+    devices: list[tuple[int, ...]]  # each node's GPUs, rank by rank
+    balance: float  # the busiest rank over the mean, of the worst layer
+
+
+def carry(old: Plan, ordered: Sequence[NodeSpec], loads: Sequence[Sequence[float]] | None,
+          sources: set[str]) -> Carried | None:
+    """``old`` carried over to ``ordered``, or None where it cannot be (see the module
+    docstring). ``sources``: the nodes that can send expert state."""
+    held = _survivors(old, ordered, sources)
+    if held is None:
+        return None
+    state = _Carried(old, ordered, held, loads)
+    if state.impossible() or not state.recore() or not state.widen():
+        return None
+    placed = state.refill()
+    if placed is None:
+        return None
+    g, per_rank = [q.gpus for q in ordered], [q.slots_per_gpu for q in ordered]
+    return Carried(placed, [old.nodes[i].devices for i in held],
+                   float(layer_balance(placed, state.loads.tolist(), g, per_rank).max()))
+
+
+def _survivors(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> list[int] | None:
+    """Each position's node in ``old``, when every node was in it with the same GPUs and
+    can send its replicas, and some node of ``old`` is gone (a loss, not a growth or a
+    rebalance); else None."""
+    if len(ordered) >= len(old.nodes):
+        return None
+    held = []
+    for node in ordered:
+        try:
+            i = old.node_index(node.name)
+        except KeyError:
+            return None
+        before = old.nodes[i]
+        if (node.name not in sources or node.gpus != len(before.ranks)
+                or node.slots_per_gpu != before.slots_per_rank
+                or not set(before.devices) <= set(node.devices)):
+            return None
+        held.append(i)
+    return held
+
+
+def _nth(keys: np.ndarray) -> np.ndarray:
+    """For each entry, how many entries before it have the same key."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    start = np.flatnonzero(np.concatenate(([True], ranked[1:] != ranked[:-1])))
+    first = np.repeat(start, np.diff(np.concatenate((start, [len(keys)]))))
+    out = np.empty(len(keys), dtype=np.int64)
+    out[order] = np.arange(len(keys)) - first
+    return out
+
+
+class _Carried:
+    """The survivors' slots of every layer as they stand, and what is to change in them."""
+
+    def __init__(self, old: Plan, ordered: Sequence[NodeSpec], held: list[int], loads):
+        self.num_layers, self.experts, self.n = len(old.layers), old.experts, len(ordered)
+        L, E, n = self.num_layers, self.experts, self.n
+        starts = old.slot_offsets
+        take = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in held])
+        self.slots = old.slot_matrix[:, take]  # [layer, slot]: the expert each slot holds
+        self.node_of = np.repeat(np.arange(n), [q.slots for q in ordered])
+        g = [q.gpus for q in ordered]
+        self.num_ranks = sum(g)
+        self.rank_of = np.repeat(np.arange(self.num_ranks),
+                                 np.repeat([q.slots_per_gpu for q in ordered], g))
+        self.loads = (np.ones((L, E)) if loads is None
+                      else np.asarray(loads, dtype=np.float64).reshape(L, E))
+        self.layer = np.arange(L)[:, None]
+        self.count = self._per_expert(self.slots)
+        held_any = old.count_cube > 0  # [layer, node of old, expert]
+        self.present = held_any[:, held]
+        self.spread = self.present.sum(axis=1)  # [layer, expert]: nodes holding it
+        mean = self.loads.sum(axis=1, keepdims=True) / self.slots.shape[1]
+        self.need = np.maximum(
+            np.ceil(self.loads / (BALANCE_TARGET * mean) - _ROUNDING).astype(np.int64),
+            old.min_replicas)
+        self.least = old.min_replicas
+        self.largest = largest_core(n)
+
+        # Every expert's core in ``old``, and the cores over these positions.
+        cores, which = smallest_cores(held_any.transpose(0, 2, 1).reshape(L * E, -1),
+                                      self.largest)
+        self.core = which.reshape(L, E)
+        self.members = np.zeros((len(cores) + 1, n), dtype=bool)  # last row: no core
+        self.members[:-1] = cores[:, held]
+        lost = np.append(cores.sum(axis=1) - self.members[:-1].sum(axis=1), 0)
+        kept = (self.core >= 0) & (lost[self.core] == 0)
+        broken = ~kept & (self.spread < self.largest)
+        # Broken experts that will have fewer than ``largest`` replicas keep a core, with a
+        # fresh node for each lost one; the others need ``largest`` nodes again.
+        self.recored = broken & (self.core >= 0) & (np.maximum(self.need, self.count)
+                                                     < self.largest)
+        self.widened = broken & ~self.recored
+        self.lost = lost
+        self.kept = kept
+
+        # A replica that anchors nothing may leave its slot: one of an expert with a core
+        # (that survived, or that keeps its surviving nodes), on a node outside that core;
+        # or one of an expert with no core, as long as it stays on ``largest`` nodes
+        # (``leave``: how many more may go). Experts to be widened keep every replica.
+        # (Twins on one node could go too; finding them costs a sort of every slot, more
+        # than they save.)
+        on_core = self.members[self.core[self.layer, self.slots], self.node_of]
+        cored = kept | self.recored
+        coreless = ~kept & ~broken
+        self.movable = ((cored[self.layer, self.slots] & ~on_core)
+                        | coreless[self.layer, self.slots])
+        self.leave = np.where(cored, self.count,
+                              np.where(coreless, self.spread - self.largest, 0))
+        # Replicas each expert can give up, never below its need; broken experts give none
+        # (a replica of one that leaves its slot is placed again elsewhere).
+        self.spare = np.where(broken, 0, np.minimum(np.maximum(self.count - self.need, 0),
+                                                    self.leave))
+        self.added = np.zeros((L, E), dtype=np.int64)  # new replicas placed on given nodes
+        self.removed = np.zeros((L, E), dtype=np.int64)  # replicas their slots held
+        self.displaced = np.zeros((L, E), dtype=np.int64)  # of those, to be placed again
+        self.used = np.zeros(self.slots.shape, dtype=bool)
+        self.placed = self.slots.copy()
+        weights = self.loads / np.maximum(self.count, 1)
+        self.rank_load = self._rank_load(self.slots, weights)
+
+    def _per_expert(self, slots: np.ndarray) -> np.ndarray:
+        E = self.experts
+        return np.bincount((slots + self.layer * E).ravel(),
+                           minlength=self.num_layers * E).reshape(-1, E)
+
+    def _rank_load(self, slots: np.ndarray, weights: np.ndarray,
+                   where: np.ndarray | None = None) -> np.ndarray:
+        """[layer, rank]: the load of each rank's ``slots`` (those ``where`` holds)."""
+        ranks = self.layer * self.num_ranks + self.rank_of
+        load = weights[self.layer, slots]
+        if where is not None:
+            ranks, load = ranks[where], load[where]
+        return np.bincount(ranks.ravel(), weights=load.ravel(),
+                           minlength=self.num_layers * self.num_ranks
+                           ).reshape(-1, self.num_ranks)
+
+    def impossible(self) -> bool:
+        """Whether some layer needs more replicas than the survivors have slots."""
+        return bool((self.need.sum(axis=1) > self.slots.shape[1]).any())
+
+    def _take(self, li: int, p: int, expert: int) -> None:
+        """Slot ``p`` of layer ``li`` gets a new replica of ``expert``; the one it held is
+        given up, or, where its expert has none to spare, placed again elsewhere."""
+        was = self.slots[li, p]
+        self.removed[li, was] += 1
+        self.leave[li, was] -= 1
+        if self.spare[li, was] > 0:
+            self.spare[li, was] -= 1
+        else:
+            self.displaced[li, was] += 1
+        self.used[li, p] = True
+        self.placed[li, p] = expert
+        self.added[li, expert] += 1
+
+    def recore(self) -> bool:
+        """A fresh node in place of each lost node of the cores that broken experts keep,
+        and those experts' replicas on it; False where a core finds no such node."""
+        in_use = np.unique(self.core[self.kept | self.recored])
+        taken = self.members[in_use].any(axis=0)
+        for c in np.flatnonzero(self.lost).tolist():
+            gl, ge = np.nonzero(self.recored & (self.core == c))
+            if not len(gl):
+                continue
+            # A core sharing nodes with another has fewer fatal sets than one on nodes of its
+            # own: a fresh node would change the family's shape.
+            if (self.members[c] & self.members[in_use[in_use != c]].any(axis=0)).any():
+                return False
+            for _ in range(int(self.lost[c])):
+                lacking = ~self.present[gl, :, ge]  # [expert of the core, node]
+                # New replicas each node would take per layer: a product with a one-hot
+                # [layer, expert] matrix (np.add.at took a tenth of a re-plan).
+                in_layer = np.zeros((self.num_layers, len(gl)), dtype=np.float32)
+                in_layer[gl, np.arange(len(gl))] = 1
+                demand = in_layer @ lacking.astype(np.float32)
+                open_ = (self.movable & ~self.used)
+                room = np.bincount((self.layer * self.n + self.node_of)[open_],
+                                   minlength=self.num_layers * self.n
+                                   ).reshape(self.num_layers, self.n)
+                fits = (demand <= room).all(axis=0) & ~taken
+                if not fits.any():
+                    return False
+                y = int(np.argmin(np.where(fits, lacking.sum(axis=0), np.iinfo(np.int64).max)))
+                taken[y] = True
+                self.members[c, y] = True
+                # What the core's experts hold on y already anchors them there now.
+                self.movable[(self.node_of == y) & (self.core[self.layer, self.slots] == c)
+                             & self.recored[self.layer, self.slots]] = False
+                for li in range(self.num_layers):
+                    experts = ge[(gl == li) & lacking[:, y]]
+                    if len(experts) and not self._place_on(li, y, experts):
+                        return False
+        return True
+
+    def _place_on(self, li: int, node: int, experts: np.ndarray) -> bool:
+        """New replicas of ``experts`` on ``node`` in layer ``li``, in the slots of experts
+        with replicas to spare first, then on the busiest ranks; False where the node has
+        too few slots that may be given up."""
+        p = np.flatnonzero((self.node_of == node) & self.movable[li] & ~self.used[li])
+        p = p[np.lexsort((-self.rank_load[li, self.rank_of[p]],
+                          self.spare[li, self.slots[li, p]] == 0))].tolist()
+        experts = experts.tolist()
+        for slot in p:
+            if not experts:
+                break
+            if self.leave[li, self.slots[li, slot]] > 0:
+                self._take(li, slot, experts.pop())
+        return not experts
+
+    def widen(self) -> bool:
+        """Broken experts that need ``largest`` nodes get replicas on nodes that lack them,
+        in slots of experts with replicas to spare, busiest ranks first; False where
+        there are not enough."""
+        layers = self.widened.any(axis=1)
+        cl, cp = self._busiest_first(self.movable & ~self.used & layers[:, None]
+                                     & (self.spare[self.layer, self.slots] > 0))
+        bounds = np.searchsorted(cl, np.arange(self.num_layers + 1)).tolist()
+        nodes_of = self.node_of.tolist()
+        took_layer, took_slot, took_expert = [], [], []
+        for li in np.flatnonzero(layers).tolist():
+            slots = cp[bounds[li]:bounds[li + 1]].tolist()
+            holds = self.slots[li, slots].tolist()
+            spare = self.spare[li].tolist()
+            free = [True] * len(slots)
+            for e in np.flatnonzero(self.widened[li]).tolist():
+                short = self.largest - int(self.spread[li, e])
+                lacks = (~self.present[li, :, e]).tolist()
+                for k, (slot, was) in enumerate(zip(slots, holds)):
+                    if not short:
+                        break
+                    if free[k] and lacks[nodes_of[slot]] and spare[was] > 0:
+                        free[k] = lacks[nodes_of[slot]] = False
+                        spare[was] -= 1
+                        took_layer.append(li)
+                        took_slot.append(slot)
+                        took_expert.append(e)
+                        short -= 1
+                if short:
+                    return False
+            self.spare[li] = spare
+        # Every expert taken from had replicas to spare: none is displaced.
+        tl, tp, te = (np.array(x, dtype=np.int64) for x in (took_layer, took_slot,
+                                                             took_expert))
+        E = self.experts
+        self.removed += np.bincount(tl * E + self.slots[tl, tp],
+                                    minlength=self.num_layers * E).reshape(-1, E)
+        self.added += np.bincount(tl * E + te, minlength=self.num_layers * E).reshape(-1, E)
+        self.used[tl, tp] = True
+        self.placed[tl, tp] = te
+        return True
+
+    def _busiest_first(self, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (layer, slot) of every ``candidates`` slot, by layer, then busiest rank first."""
+        cl, cp = np.nonzero(candidates)
+        # One key, layer then busiest rank (loads are below 1 once divided by more than
+        # the largest): a sort on one key is several times faster than on two.
+        load = self.rank_load[cl, self.rank_of[cp]]
+        order = np.argsort(cl - load / (2 * load.max(initial=0) + 1), kind="stable")
+        return cl[order], cp[order]
+
+    def _given_up(self, candidates: np.ndarray, want: np.ndarray):
+        """Up to ``want[l]`` of the ``candidates`` slots of each layer l, busiest rank first,
+        none of an expert beyond its spare replicas: (layer, slot, expert) arrays."""
+        cl, cp = self._busiest_first(candidates)
+        ce = self.slots[cl, cp]
+        keep = _nth(cl * self.experts + ce) < self.spare[cl, ce]
+        cl, cp, ce = cl[keep], cp[keep], ce[keep]
+        keep = _nth(cl) < want[cl]
+        return cl[keep], cp[keep], ce[keep]
+
+    def refill(self) -> np.ndarray | None:
+        """Every expert topped up to its need in slots given up by the experts with
+        replicas to spare (busiest ranks first), heaviest replica to the lightest rank.
+        Where a layer has too few spare, its lightest new replicas are not made (the
+        balance check then judges the layer); None where that would leave an expert below
+        f replicas."""
+        L, E = self.num_layers, self.experts
+        extra = np.maximum(self.need - self.count - self.added, 0) + self.displaced
+        cl, cp, ce = self._given_up(self.movable & ~self.used
+                                    & (self.spare[self.layer, self.slots] > 0),
+                                    extra.sum(axis=1))
+        count = (self.count + self.added + extra - self.removed
+                 - np.bincount(cl * E + ce, minlength=L * E).reshape(L, E))
+        add_layer = np.repeat(np.repeat(np.arange(L), E), extra.ravel())
+        add_expert = np.repeat(np.tile(np.arange(E), L), extra.ravel())
+        heaviest = np.lexsort((-(self.loads / np.maximum(count, 1))[add_layer, add_expert],
+                               add_layer))
+        add_layer, add_expert = add_layer[heaviest], add_expert[heaviest]
+        made = _nth(add_layer) < np.bincount(cl, minlength=L)[add_layer]
+        count -= np.bincount(add_layer[~made] * E + add_expert[~made],
+                             minlength=L * E).reshape(L, E)
+        if (count < self.least).any():
+            return None
+        weights = self.loads / np.maximum(count, 1)
+        freed = np.zeros(self.slots.shape, dtype=bool)
+        freed[cl, cp] = True
+        load = self._rank_load(self.placed, weights, ~freed)
+        lightest = np.lexsort((load[cl, self.rank_of[cp]], cl))
+        placed = self.placed
+        placed[cl[lightest], cp[lightest]] = add_expert[made]
+        return placed

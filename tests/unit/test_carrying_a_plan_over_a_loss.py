@@ -1,0 +1,222 @@
+"""A loss re-planned by carrying the old plan over (lazarus_core/carry.py): the survivors
+keep their slots, a core that lost a node gets a fresh one for every layer, and a carried
+plan that misses the balance target is kept only where it is no worse than one made
+afresh."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lazarus_core import solver
+from lazarus_core.anchor_search import largest_core
+from lazarus_core.anchors import smallest_cores
+from lazarus_core.balance import BALANCE_TARGET, busiest_rank
+from lazarus_core.carry import _Carried, _survivors, carry
+from lazarus_core.recovery import cube_presence
+from lazarus_core.topology import NodeSpec
+
+EXPERTS, LAYERS, F = 32, 8, 2
+
+
+def zipf(experts: int, layers: int) -> list[list[float]]:
+    """Skewed loads whose hottest expert rotates from layer to layer."""
+    return [[1 / (((e + l) % experts) + 1) for e in range(experts)] for l in range(layers)]
+
+
+def cluster(n: int) -> list[NodeSpec]:
+    return [NodeSpec(f"node-{i:02d}", 4, 4, zone=f"zone-{i % 3}") for i in range(n)]
+
+
+NODES = cluster(40)
+LOADS = zipf(EXPERTS, LAYERS)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return solver.plan_job(NODES, EXPERTS, LAYERS, F, "mro", LOADS, max_failures=0)
+
+
+def losses(nodes, draws: int, seed: int, most: int = 3):
+    """Random losses of 1..most nodes: (survivors, their names)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(draws):
+        gone = {nodes[i].name for i in rng.choice(len(nodes), int(rng.integers(1, most + 1)),
+                                                  replace=False)}
+        survivors = [n for n in nodes if n.name not in gone]
+        yield survivors, {n.name for n in survivors}
+
+
+def slots_of(plan, name: str) -> np.ndarray:
+    """[layer, slot] of one node."""
+    i = plan.node_index(name)
+    start, end = plan.slot_offsets[i], plan.slot_offsets[i + 1]
+    return plan.slot_matrix[:, start:end]
+
+
+def cores(plan) -> list[frozenset[str]]:
+    """The plan's cores (the minimal node sets over every (layer, expert)) of fewer than
+    ``largest`` nodes, as sets of node names: they alone are fatal at the failure counts
+    scored."""
+    rows, _ = smallest_cores(cube_presence(plan.count_cube), largest_core(len(plan.nodes)))
+    names = [n.name for n in plan.nodes]
+    return [frozenset(names[i] for i in np.flatnonzero(r))
+            for r in rows if r.sum() < largest_core(len(plan.nodes))]
+
+
+def test_a_loss_is_carried_over_with_the_survivors_slots_kept_and_ranks_balanced(plan):
+    carried = 0
+    for survivors, names in losses(NODES, draws=8, seed=1):
+        step = solver.replan(plan, survivors, "NodeLost", names, LOADS, max_failures=0)
+        new = step.plan
+        if carry(plan, solver._order(survivors, EXPERTS, LAYERS), LOADS, names) is None:
+            continue
+        carried += 1
+        assert busiest_rank(new, LOADS) <= BALANCE_TARGET
+        assert min(min(layer.replicas) for layer in new.layers) >= F
+        changed = 0
+        for node in survivors:
+            before, after = plan.nodes[plan.node_index(node.name)], new.nodes[new.node_index(node.name)]
+            # Each rank stays on its GPU: nothing moves between a node's GPUs.
+            assert after.devices == before.devices
+            changed += int((slots_of(plan, node.name) != slots_of(new, node.name)).sum())
+        # Only what the loss needs changes: fewer slots than the lost nodes held.
+        lost = sum(n.slots for n in NODES) - sum(n.slots for n in survivors)
+        assert changed < lost * LAYERS, (changed, lost * LAYERS)
+        assert step.migration.recoverable
+    assert carried >= 6  # the case this path exists for: most losses of a few nodes
+
+
+def test_a_carried_plan_adds_no_fatal_set_to_the_old_plans_cores(plan):
+    """Cores of the carried plan below ``largest`` nodes are the old ones, or old ones with
+    their lost nodes replaced by one fresh node each: as many, as large, and as disjoint."""
+    old = cores(plan)
+    assert old and all(not a & b for a in old for b in old if a != b)
+    for survivors, names in losses(NODES, draws=8, seed=2):
+        if carry(plan, solver._order(survivors, EXPERTS, LAYERS), LOADS, names) is None:
+            continue
+        new = cores(solver.replan(plan, survivors, "NodeLost", names, LOADS,
+                                  max_failures=0).plan)
+        assert all(not a & b for a in new for b in new if a != b)
+        assert_cores_kept(plan, solver.replan(plan, survivors, "NodeLost", names, LOADS,
+                                              max_failures=0).plan, {n.name for n in NODES} - names)
+
+
+def test_a_broken_core_gets_the_same_fresh_node_in_every_layer(plan):
+    core = min(cores(plan), key=lambda c: (len(c), sorted(c)))
+    names = [n.name for n in plan.nodes]
+    on_core = [(li, e) for li in range(LAYERS) for e in range(EXPERTS)
+               if frozenset(names[i] for i in np.flatnonzero(plan.count_cube[li, :, e])) == core]
+    assert on_core  # cold experts held by exactly the core's nodes
+    victim = sorted(core)[0]
+    survivors = [n for n in NODES if n.name != victim]
+    ordered = solver._order(survivors, EXPERTS, LAYERS)
+    state = _Carried(plan, ordered, _survivors(plan, ordered, {n.name for n in survivors}),
+                     LOADS)
+    assert state.recored.any()  # the loss broke a core that cold experts keep
+    new = solver.replan(plan, survivors, "NodeLost", {n.name for n in survivors}, LOADS,
+                        max_failures=0).plan
+    fresh = set()
+    for li, e in on_core:
+        now = {new.nodes[i].name for i in np.flatnonzero(new.count_cube[li, :, e])}
+        assert core - {victim} <= now
+        fresh |= now - core
+    assert len(fresh) == 1, fresh  # one node takes the lost one's place, in every layer
+    assert not fresh & set().union(*(c for c in cores(plan) if c != core))
+
+
+@pytest.mark.parametrize("change", ["grows", "gpu lost", "cannot send"])
+def test_what_is_not_a_plain_loss_is_not_carried(plan, change):
+    survivors = NODES[1:]
+    names = {n.name for n in survivors}
+    if change == "grows":
+        survivors = survivors + [NodeSpec("node-new", 4, 4, zone="zone-0")]
+    elif change == "gpu lost":
+        survivors = [survivors[0].without_gpus({3})] + survivors[1:]
+    else:
+        names = names - {survivors[0].name}
+    assert carry(plan, solver._order(survivors, EXPERTS, LAYERS), LOADS, names) is None
+    # The full re-plan still answers.
+    assert solver.replan(plan, survivors, "NodeLost", names, LOADS, max_failures=0).plan
+
+
+def test_a_carried_plan_that_misses_the_target_is_kept_only_where_it_is_no_worse(monkeypatch):
+    """36 nodes, 48 experts: three lost nodes leave too few spare replicas for ranks within
+    the target; the re-plan then makes a plan afresh too and keeps the better."""
+    nodes, loads = cluster(36), zipf(48, 4)
+    old = solver.plan_job(nodes, 48, 4, F, "mro", loads, max_failures=0)
+    compared = 0
+    for survivors, names in losses(nodes, draws=6, seed=4, most=3):
+        carried = carry(old, solver._order(survivors, 48, 4), loads, names)
+        chosen = solver.replan(old, survivors, "NodeLost", names, loads, max_failures=0)
+        with monkeypatch.context() as m:
+            m.setattr(solver, "carry", lambda *args: None)
+            rebuilt = solver.replan(old, survivors, "NodeLost", names, loads, max_failures=0)
+        if carried is None or carried.balance <= BALANCE_TARGET:
+            continue
+        compared += 1
+        kept = chosen.plan.layers != rebuilt.plan.layers
+        no_worse = (solver._fatal_sets(chosen.plan) <= solver._fatal_sets(rebuilt.plan)
+                    and busiest_rank(chosen.plan, loads) <= busiest_rank(rebuilt.plan, loads)
+                    and chosen.migration.experts_migrated <= rebuilt.migration.experts_migrated)
+        assert no_worse
+        if kept:
+            assert busiest_rank(chosen.plan, loads) == pytest.approx(carried.balance)
+    assert compared >= 1
+
+
+def test_losses_in_a_row_stay_balanced_and_recoverable():
+    """Each re-plan carries the last one over: cores stay disjoint, ranks within the
+    target, and every expert keeps f replicas."""
+    current = solver.plan_job(NODES, EXPERTS, LAYERS, F, "mro", LOADS, max_failures=3)
+    first = solver._fatal_sets(current)  # no single node or pair loses an expert
+    assert first == [0, 0]
+    alive = list(NODES)
+    rng = np.random.default_rng(9)
+    for _ in range(5):
+        gone = {alive[i].name for i in rng.choice(len(alive), 2, replace=False)}
+        alive = [n for n in alive if n.name not in gone]
+        step = solver.replan(current, alive, "NodeLost", {n.name for n in alive}, LOADS,
+                             max_failures=3)
+        current = step.plan
+        assert step.migration.recoverable
+        assert busiest_rank(current, LOADS) <= BALANCE_TARGET
+        assert min(min(layer.replicas) for layer in current.layers) >= F
+        assert solver._fatal_sets(current) == first
+        found = cores(current)
+        assert all(not a & b for a in found for b in found if a != b)
+    assert current.generation == 6
+
+
+def assert_cores_kept(old_plan, new_plan, gone: set[str]) -> None:
+    """``new_plan``'s cores below ``largest`` nodes are ``old_plan``'s, or old ones whose
+    lost nodes were each replaced by one node of no other core."""
+    old, new = cores(old_plan), cores(new_plan)
+    unused = list(old)
+    for core in new:
+        match = [c for c in unused if core == c
+                 or (c & gone and c - gone <= core and len(core) == len(c))]
+        assert match, (sorted(core), [sorted(c) for c in old])
+        unused.remove(match[0])
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_clusters_and_losses_are_re_planned_and_carried_safely(seed):
+    rng = np.random.default_rng(seed)
+    per_gpu = int(rng.integers(2, 5))  # ranks of one size: the balance target is reachable
+    nodes = [NodeSpec(f"node-{i:02d}", int(rng.choice([2, 4, 4, 8])), per_gpu,
+                      zone=f"zone-{i % 3}") for i in range(int(rng.integers(14, 40)))]
+    experts, layers, f = int(rng.integers(8, 40)), int(rng.integers(1, 6)), int(rng.integers(1, 4))
+    if sum(n.slots for n in nodes) * 0.7 < experts * f:
+        f = 1
+    skew, shift = rng.uniform(0, 1.5), rng.integers(experts, size=layers)
+    loads = [[1 / (((e + s) % experts) + 1) ** skew for e in range(experts)] for s in shift]
+    old = solver.plan_job(nodes, experts, layers, f, "mro", loads, max_failures=0)
+    for survivors, names in losses(nodes, draws=4, seed=seed, most=3):
+        if sum(n.slots for n in survivors) < experts * f:
+            continue
+        step = solver.replan(old, survivors, "NodeLost", names, loads, max_failures=0)
+        assert min(min(layer.replicas) for layer in step.plan.layers) >= f
+        carried = carry(old, solver._order(survivors, experts, layers), loads, names)
+        if carried is not None and carried.balance <= BALANCE_TARGET:
+            assert busiest_rank(step.plan, loads) == pytest.approx(carried.balance)
+            assert_cores_kept(old, step.plan, {n.name for n in nodes} - names)
