@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 MAX_STARTING_PODS = 100
 # How long a published plan stands before its pods get its generation annotation.
 ANNOTATE_AFTER_S = 2.0
+# How long a worker pod this operator created counts as starting before the pods it
+# observes show it: past that it is taken as deleted before the watch saw it.
+UNSEEN_FOR_S = 30.0
 
 
 @dataclass
@@ -49,6 +52,10 @@ class JobRecord:
     key_secret: str | None = None
     # Worker indices whose pod name is taken by a pod that is not the job's.
     foreign_indices: set[int] = field(default_factory=set)
+    # Worker pods created but not yet in an observation: index -> when (time.monotonic()).
+    # On a loaded control plane the watch shows a pass's creations late; without these the
+    # next pass took them as missing and sent the same creations again (answered 409).
+    unseen: dict[int, float] = field(default_factory=dict)
     # resourceVersion of the plan ConfigMap the state was built from or last wrote.
     plan_version: str | None = None
     # The newest generation published; stale pod annotations in flight are skipped.
@@ -274,23 +281,29 @@ class Applier:
         if state.finished:  # nothing will train on the pods still starting
             delete_pods(self.core, self._batch, [(p, False) for p in obs.starting], namespace)
             return
-        missing = min(state.missing_workers(len(obs.starting), self.clock()),
-                      max(0, MAX_STARTING_PODS - len(obs.starting)))
+        now = time.monotonic()
+        record.unseen = {i: at for i, at in record.unseen.items()
+                         if i not in obs.used_indices and now - at < UNSEEN_FOR_S}
+        starting = len(obs.starting) + len(record.unseen)
+        missing = min(state.missing_workers(starting, self.clock()),
+                      max(0, MAX_STARTING_PODS - starting))
         generation = state.plan.generation if state.plan else 0
-        free = (i for i in range(10**6)
-                if i not in obs.used_indices and i not in record.foreign_indices)
+        free = (i for i in range(10**6) if i not in obs.used_indices
+                and i not in record.foreign_indices and i not in record.unseen)
         uid = body["metadata"]["uid"]
 
         def create(pod: dict) -> bool:
+            index = int(pod["metadata"]["labels"][builders.INDEX_LABEL])
             try:
                 create_owned(body, self.core.create_namespaced_pod,
                              self.core.read_namespaced_pod, pod)
             except ObjectConflict as e:
                 # A pod of that name that is not the job's: never adopted, its name skipped.
-                record.foreign_indices.add(int(pod["metadata"]["labels"][builders.INDEX_LABEL]))
+                record.foreign_indices.add(index)
                 self.event(body, "NameConflict", str(e), "Warning",
                            f"conflict.pod.{pod['metadata']['name']}")
                 return False
+            record.unseen[index] = time.monotonic()
             return True
 
         created, batch = 0, 1
