@@ -3,6 +3,7 @@ control plane the next pass's observation can predate them, and it used to send 
 creations again (each answered 409)."""
 from types import SimpleNamespace
 
+import pytest
 from kubernetes import client
 
 from lazarus_core import controller as c
@@ -48,16 +49,21 @@ def _seen(names) -> Observation:
                        used_indices={int(n.rsplit("-", 1)[-1]) for n in names})
 
 
-def test_a_pass_on_a_stale_view_does_not_create_the_same_pods_again(monkeypatch):
-    pods = Pods()
-    applier, record = _applier(pods), JobRecord(key_secret="key")
-    state = c.new_job(SPEC)
-    now = [100.0]
+@pytest.fixture
+def job(monkeypatch):
+    """(the API's pods, the job's record, a pass over an observation, the clock)."""
+    pods, record, state, now = Pods(), JobRecord(key_secret="key"), c.new_job(SPEC), [100.0]
     monkeypatch.setattr(apply_module.time, "monotonic", lambda: now[0])
+    applier = _applier(pods)
 
     def right_size(obs):
         applier._right_size(record, BODY, SPEC, state, obs, lambda: False)
 
+    return pods, record, right_size, now
+
+
+def test_a_pass_on_a_stale_view_does_not_create_the_same_pods_again(job):
+    pods, record, right_size, _ = job
     right_size(Observation())
     created = list(pods.posts)
     assert len(created) == SPEC.target_nodes == 10
@@ -72,19 +78,15 @@ def test_a_pass_on_a_stale_view_does_not_create_the_same_pods_again(monkeypatch)
     assert pods.posts == created and record.unseen == {}
 
 
-def test_a_pod_never_shown_is_taken_as_gone_after_a_while(monkeypatch):
-    pods = Pods()
-    applier, record = _applier(pods), JobRecord(key_secret="key")
-    state = c.new_job(SPEC)
-    now = [100.0]
-    monkeypatch.setattr(apply_module.time, "monotonic", lambda: now[0])
-    applier._right_size(record, BODY, SPEC, state, Observation(), lambda: False)
+def test_a_pod_never_shown_is_taken_as_gone_after_a_while(job):
+    pods, _, right_size, now = job
+    right_size(Observation())
     first = list(pods.posts)
     shown = first[:7]  # three were deleted before the watch saw them
     now[0] += UNSEEN_FOR_S - 1
-    applier._right_size(record, BODY, SPEC, state, _seen(shown), lambda: False)
+    right_size(_seen(shown))
     assert pods.posts == first
     now[0] += 2
-    applier._right_size(record, BODY, SPEC, state, _seen(shown), lambda: False)
+    right_size(_seen(shown))
     again = pods.posts[len(first):]
     assert len(again) == 3 and not set(again) & set(shown)
