@@ -93,7 +93,7 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     layer_of, nodes, experts, group = (layer_of[by_node], nodes[by_node], experts[by_node],
                                        group[by_node])
     anchor = is_anchor[by_node]
-    k = _nth_in_run(group)
+    k = nth_in_run(group)
     gi = g[nodes]
     turn, pos = k // gi, k % gi
     rank_base = np.concatenate(([0], np.cumsum(g)[:-1]))
@@ -121,7 +121,7 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         open_ranks = open_ranks[np.lexsort((load[open_ranks] / rank_slots[open_ranks],
                                             open_layer))]
         open_layer = open_ranks // num_ranks
-        nth = _nth_in_run(open_layer)
+        nth = nth_in_run(open_layer)
         take = nth < left[open_layer]
         to, at_layer, nth = open_ranks[take], open_layer[take], nth[take]
         item = rest_start[at_layer] + (free.sum(axis=1) - left)[at_layer] + nth
@@ -295,7 +295,7 @@ def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndar
     return kl[keep], kn[keep], ke[keep], kept[keep]
 
 
-def _nth_in_run(keys: np.ndarray) -> np.ndarray:
+def nth_in_run(keys: np.ndarray) -> np.ndarray:
     """Each element's place within its run of equal ``keys`` (sorted or grouped)."""
     index = np.arange(len(keys))
     first = np.ones(len(keys), dtype=bool)

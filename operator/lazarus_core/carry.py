@@ -38,7 +38,7 @@ import numpy as np
 
 from .anchor_search import largest_core
 from .anchors import smallest_cores
-from .balance import BALANCE_TARGET, layer_balance
+from .balance import BALANCE_TARGET, layer_balance, nth_in_run
 from .plan import Plan
 from .topology import NodeSpec
 
@@ -93,13 +93,10 @@ def _survivors(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> lis
 
 
 def _nth(keys: np.ndarray) -> np.ndarray:
-    """For each entry, how many entries before it have the same key."""
+    """For each entry, how many entries before it have the same key (in any order)."""
     order = np.argsort(keys, kind="stable")
-    ranked = keys[order]
-    start = np.flatnonzero(np.concatenate(([True], ranked[1:] != ranked[:-1])))
-    first = np.repeat(start, np.diff(np.concatenate((start, [len(keys)]))))
     out = np.empty(len(keys), dtype=np.int64)
-    out[order] = np.arange(len(keys)) - first
+    out[order] = nth_in_run(keys[order])
     return out
 
 
@@ -319,7 +316,7 @@ class _Carried:
         ce = self.slots[cl, cp]
         keep = _nth(cl * self.experts + ce) < self.spare[cl, ce]
         cl, cp, ce = cl[keep], cp[keep], ce[keep]
-        keep = _nth(cl) < want[cl]
+        keep = nth_in_run(cl) < want[cl]  # by layer already
         return cl[keep], cp[keep], ce[keep]
 
     def refill(self) -> np.ndarray | None:
@@ -340,7 +337,7 @@ class _Carried:
         heaviest = np.lexsort((-(self.loads / np.maximum(count, 1))[add_layer, add_expert],
                                add_layer))
         add_layer, add_expert = add_layer[heaviest], add_expert[heaviest]
-        made = _nth(add_layer) < np.bincount(cl, minlength=L)[add_layer]
+        made = nth_in_run(add_layer) < np.bincount(cl, minlength=L)[add_layer]
         count -= np.bincount(add_layer[~made] * E + add_expert[~made],
                              minlength=L * E).reshape(L, E)
         if (count < self.least).any():

@@ -46,7 +46,7 @@ def cube_presence(cube: np.ndarray) -> np.ndarray:
     return (cube > 0).transpose(0, 2, 1).reshape(-1, cube.shape[1])
 
 
-def _minimal_masks(present: np.ndarray, max_size: int | None = None) -> list[int]:
+def minimal_masks(present: np.ndarray, max_size: int | None = None) -> list[int]:
     """``minimal_sets`` of the node sets of a ``presence`` matrix, at once."""
     if max_size is not None:
         present = present[present.sum(axis=1) <= max_size]
@@ -105,7 +105,7 @@ def recovery_probability(layers: Sequence[Placement], k: int, seed: int = 0) -> 
     n = len(layers[0])
     if not 0 <= k <= n:
         raise ValueError(f"failures: k must be in 0..{n}, got {k}")
-    return _recovery_from_sets(_minimal_masks(presence(layers), max_size=k), n, k, seed)
+    return _recovery_from_sets(minimal_masks(presence(layers), max_size=k), n, k, seed)
 
 
 def recovery_curve(present: np.ndarray, max_failures: int,
@@ -118,7 +118,7 @@ def recovery_curve(present: np.ndarray, max_failures: int,
     """
     n = present.shape[1]
     max_failures = min(max_failures, n)
-    sets = _minimal_masks(present, max_size=max_failures)
+    sets = minimal_masks(present, max_size=max_failures)
     curve = []
     for k in range(1, max_failures + 1):
         r = _recovery_from_sets([s for s in sets if s.bit_count() <= k], n, k, 0,
@@ -275,7 +275,7 @@ def _monte_carlo(sets: list[int], n: int, k: int, seed: int) -> Recovery:
 def zone_survival(present: np.ndarray, zone_of: Sequence[str]) -> dict[str, bool]:
     """For each zone: does every expert keep a replica when the whole zone is lost?
     (``present``: a ``presence`` matrix.)"""
-    sets = _minimal_masks(present)
+    sets = minimal_masks(present)
     result = {}
     for zone in sorted(set(zone_of)):
         zone_mask = sum(1 << i for i, z in enumerate(zone_of) if z == zone)

@@ -17,7 +17,7 @@ from .mro import (REPLAN_FAILURES, mro, place_anchored, place_toward_holders, re
                   structure)
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, count_cube, validate
-from .recovery import cube_presence, fatal_counts, masks_of, minimal_rows, recovery_table
+from .recovery import cube_presence, fatal_counts, masks_of, minimal_masks, recovery_table
 from .topology import NodeSpec, check_nodes, failure_domain_order
 
 DEFAULT_MAX_FAILURES = 5
@@ -263,6 +263,5 @@ def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:
 
 def _fatal_sets(plan: Plan) -> list[int]:
     """How many sets of k nodes lose some expert's every replica, k = 1..REPLAN_FAILURES."""
-    present = cube_presence(plan.count_cube)
-    present = present[present.sum(axis=1) <= REPLAN_FAILURES]
-    return fatal_counts(masks_of(minimal_rows(present)), len(plan.nodes), REPLAN_FAILURES)
+    return fatal_counts(minimal_masks(cube_presence(plan.count_cube), REPLAN_FAILURES),
+                        len(plan.nodes), REPLAN_FAILURES)
