@@ -27,6 +27,9 @@ from .recovery import masks_of, minimal_rows
 
 Placement = list[list[int]]
 
+# ``_deal_evenly`` anchors an expert on the set that holds it rather than on the lightest
+# while that set's busiest node is within this fraction of a node's mean anchored load.
+HOLDER_SLACK = 0.03
 # Work bound of ``toward_holders`` (each trade copies at least one replica fewer).
 TRADES_PER_SIZE = 256
 
@@ -106,6 +109,11 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
     replica counts, the heavier goes first and to the lighter core.
     """
     family = sorted({c for c in template.cores if c}, key=lambda m: (m.bit_count(), m))
+    # A template spread evenly (``anchor_evenly``) is followed so by the layers that cannot
+    # take its anchors as they are.
+    fewest = min((r for r in template.replicas if r), default=0)
+    spread = fewest and set(family) == {sum(1 << i for i in nodes)
+                                        for nodes in even_cover(len(slots), fewest)}
     template_rank = _ranked([template.replicas], [template_weights])[0]
     template_sorted = [template.replicas[e] for e in template_rank]
     out = []
@@ -116,7 +124,8 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
                 cores[e] = template.cores[t]
             out.append(LayerAnchors(tuple(replicas), tuple(cores)))
         else:
-            out.append(anchor_greedily(replicas, weights[li], family, slots, largest))
+            out.append((spread and anchor_evenly(replicas, weights[li], slots))
+                       or anchor_greedily(replicas, weights[li], family, slots, largest))
     return out
 
 
@@ -149,6 +158,39 @@ def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: S
     return balance_within(anchors, weights, len(slots))
 
 
+def even_cover(num_nodes: int, size: int) -> list[list[int]]:
+    """Node sets of ``size`` nodes that put every node in equally many of them, as few as
+    can: disjoint groups of ``size``, and the nodes left over joined to the last group,
+    whose ``size`` + r nodes take the r + ``size`` windows of ``size`` around that ring
+    (each of its nodes in ``size`` of them). [] where fewer than ``size`` nodes."""
+    groups, left = divmod(num_nodes, size)
+    if not groups:
+        return []
+    plain = groups - 1 if left else groups
+    out = [list(range(g * size, (g + 1) * size)) for g in range(plain)]
+    ring = size + left if left else 0
+    base = plain * size
+    out += [[base + (i + j) % ring for j in range(size)] for i in range(ring)]
+    return out
+
+
+def anchor_evenly(replicas: Sequence[int], weights: Sequence[float], slots: Sequence[int]
+                  ) -> LayerAnchors | None:
+    """Anchors for one layer that spread every node's anchored load and count alike: each
+    expert anchored on one of ``even_cover``'s sets of q nodes (q: the fewest replicas of
+    any expert), each set taking its share of the experts (``_deal_evenly``). Its fatal
+    sets are those sets, more than the recovery-best structure's where that one packs the
+    coldest experts onto a few nodes, but no node is left with only heavy replicas
+    (``mro.py`` weighs one against the other). None where the nodes differ in slots or the
+    anchors do not fit."""
+    live = [r for r in replicas if r]
+    if not live:
+        return None
+    q = min(live)
+    sets = [sum(1 << i for i in nodes) for nodes in even_cover(len(slots), q)]
+    return _deal_evenly(sets, replicas, weights, slots, q, None)
+
+
 def repair(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
            previous: Sequence[Sequence[int]], holders: Sequence[Sequence[int]],
            slots: Sequence[int], largest: int) -> list[LayerAnchors]:
@@ -161,6 +203,142 @@ def repair(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
     return [_anchor(r, w, order, family, slots, largest, p, h)
             for r, w, order, p, h in zip(layers, weights, _ranked(layers, weights), previous,
                                          holders)]
+
+
+def repair_evenly(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
+                  previous: Sequence[Sequence[int]], holders: Sequence[Sequence[int]],
+                  slots: Sequence[int], size: int) -> list[LayerAnchors] | None:
+    """``repair`` of a plan spread evenly on sets of ``size`` nodes (``anchor_evenly``):
+    the sets that survived whole stay; the nodes that lost a set partner are covered anew
+    (``even_cover``, partners of one set side by side, so most of their experts need one
+    copy), joined by a whole set where fewer than ``size`` are left; every expert is dealt
+    as ``anchor_evenly`` deals, preferring the set that holds it (``_deal_evenly``). None
+    where the slots differ or the anchors do not fit."""
+    n = len(slots)
+    if n < size:
+        return None
+    sets = _whole_sets({c for cores in previous for c in cores if c}, size)
+    covered = 0
+    for c in sets:
+        covered |= c
+    orphans = [i for i in range(n) if not covered >> i & 1]
+    while orphans and len(orphans) < size and sets:
+        orphans = nodes_of(sets.pop()) + orphans  # the last plain set (rings are whole)
+    ordered = _partners_first(orphans, holders)
+    sets += [sum(1 << ordered[i] for i in nodes) for nodes in even_cover(len(ordered), size)]
+    out = []
+    for replicas, w, held in zip(layers, weights, holders):
+        layer = _deal_evenly(sets, replicas, w, slots, size, held)
+        if layer is None:
+            return None
+        out.append(layer)
+    return out
+
+
+def _deal_evenly(sets: Sequence[int], replicas: Sequence[int], weights: Sequence[float],
+                 slots: Sequence[int], size: int, held: Sequence[int] | None
+                 ) -> LayerAnchors | None:
+    """Each expert anchored on one of ``sets`` (node masks of ``size`` nodes that cover
+    every node equally often: ``even_cover``'s), heaviest first onto the set whose busiest
+    node carries least, or, within ``HOLDER_SLACK`` of that, onto the set whose nodes hold
+    most of it (``held[e]``, a mask: a re-plan copies less). Each set takes a whole number
+    of experts so that every node anchors its share, as near as whole numbers allow: a
+    node left with fewer anchors than the others takes more of the heavy free replicas,
+    and its ranks run over. None where the nodes differ in slots or the anchors do not
+    fit."""
+    n = len(slots)
+    live = [e for e, r in enumerate(replicas) if r]
+    members = [nodes_of(c) for c in sets]
+    coverage = Counter(i for m in members for i in m)
+    if len(set(slots)) != 1 or not sets or len(live) * size > slots[0] * n:
+        return None
+    seats = _seats([coverage[m[0]] for m in members], len(live), size, n)
+    used = [0] * len(sets)
+    load = [0.0] * n
+    cores = [0] * len(replicas)
+    # Within this much of the lightest set, the one that holds most of the expert.
+    slack = HOLDER_SLACK * sum(weights[e] for e in live) * size / n
+    for e in sorted(live, key=lambda e: (-weights[e], e)):
+        open_sets = [j for j in range(len(sets)) if used[j] < seats[j]]
+        top = {j: max(load[i] for i in members[j]) for j in open_sets}
+        least = min(top.values())
+        mine = held[e] if held is not None else 0
+        j = min(open_sets, key=lambda j: (top[j] > least + slack,
+                                           -(sets[j] & mine).bit_count(), top[j],
+                                           used[j] / seats[j], j))
+        used[j] += 1
+        cores[e] = sets[j]
+        for i in members[j]:
+            load[i] += weights[e]
+    if any(count > slots[0] for count in Counter(i for c in cores if c
+                                                 for i in nodes_of(c)).values()):
+        return None
+    return LayerAnchors(tuple(replicas), tuple(cores))
+
+
+def _seats(coverage: Sequence[int], experts: int, size: int, n: int) -> list[int]:
+    """Whole numbers of experts per set, ``experts`` in all, that give every node about its
+    share (experts x size / n anchors): a set whose nodes are each in ``coverage[j]`` sets
+    (a ring's) takes that fraction of the share, rounded; the plain sets take the rest, as
+    evenly as they can (or, with none, the ring's sets)."""
+    share = experts * size / n
+    seats = [round(share / c) if c > 1 else 0 for c in coverage]
+    plain = [j for j, c in enumerate(coverage) if c == 1]
+    left = experts - sum(seats)
+    if not plain or left < 0:
+        plain, left, seats = list(range(len(coverage))), experts, [0] * len(coverage)
+    base, extra = divmod(left, len(plain))
+    for k, j in enumerate(plain):
+        seats[j] = base + (1 if k < extra else 0)
+    return seats
+
+
+def _whole_sets(cores: set[int], size: int) -> list[int]:
+    """The cores of ``size`` nodes that are still an even cover's: each set that overlaps
+    no other, and each ring (as many sets as nodes, every node in ``size`` of them) that
+    is whole; plain sets last."""
+    cores = [c for c in cores if c.bit_count() == size]
+    rings, plain = [], []
+    left = set(cores)
+    while left:
+        span = left.pop()
+        cluster = {span}
+        grew = True
+        while grew:
+            grew = False
+            for c in list(left):
+                if c & span:
+                    cluster.add(c)
+                    span |= c
+                    left.discard(c)
+                    grew = True
+        if len(cluster) == 1:
+            plain.append(span)
+        elif len(cluster) == span.bit_count() and all(
+                sum(1 for c in cluster if c >> i & 1) == size for i in nodes_of(span)):
+            rings += sorted(cluster)
+    return rings + sorted(plain)
+
+
+def _partners_first(nodes: list[int], holders: Sequence[Sequence[int]]) -> list[int]:
+    """``nodes`` ordered so that those that hold the most (layer, expert) pairs in common,
+    partners of one set before a loss, sit side by side."""
+    if len(nodes) < 3:
+        return list(nodes)
+    bits = np.array([[m >> i & 1 for i in nodes] for layer in holders for m in layer],
+                    dtype=np.float32)
+    common = bits.T @ bits
+    np.fill_diagonal(common, -1)
+    out, left = [], set(range(len(nodes)))
+    while left:
+        a = min(left)
+        left.discard(a)
+        out.append(nodes[a])
+        if left:
+            b = max(left, key=lambda j: (common[a, j], -j))
+            left.discard(b)
+            out.append(nodes[b])
+    return out
 
 
 def _size_first(mask: int) -> tuple[int, int]:

@@ -38,6 +38,9 @@ MAX_ROUNDS = 64
 PATIENCE = 4
 # Fills tried where the first option's layers do not all balance (``first_balanced``).
 FILLS_TRIED = 3
+# Rounds of dealing every node's replicas again and swapping, where a layer is still over
+# BALANCE_TARGET after the swaps (``_redeal``).
+REDEALS = 3
 # Only the busiest ranks matter (the busiest sets the step time): pair this many at most.
 MAX_PAIRS = 64
 STALLED_ROUNDS = 8
@@ -144,6 +147,12 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     for home, enough in homes:
         _exchange(all_ranks, slot_of, weight, home, rank_node, load, rank_slots, num_ranks,
                   enough)
+    for _ in range(REDEALS):
+        if not _redeal(all_ranks, weight, g, s, load, num_ranks):
+            break
+        slot_of = _slot_table(all_ranks, len(load))
+        _exchange(all_ranks, slot_of, weight, homes[-1][0], rank_node, load, rank_slots,
+                  num_ranks, homes[-1][1])
     order = np.argsort(all_ranks, kind="stable")
     placed = all_experts[order].reshape(num_layers, -1)
     if not trade:
@@ -159,10 +168,24 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         final_home = homes[0][0][order].reshape(num_layers, -1)
         budget = layer_budget(len(over))
         for li in over:
-            placed[li] = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
-                                      final_home[li], w[li] * r[li], rank_slots[:num_ranks],
-                                      int(r[li].min()), BALANCED_ENOUGH, budget)
+            traded = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
+                                  final_home[li], w[li] * r[li], rank_slots[:num_ranks],
+                                  int(r[li].min()), BALANCED_ENOUGH, budget)
+            placed[li] = _redealt(traded, rank_of_slot, w[li] * r[li], g, s)
     return placed
+
+
+def _redealt(experts: np.ndarray, rank_of_slot: np.ndarray, loads: np.ndarray,
+             ranks_per_node: np.ndarray, slots_per_rank: np.ndarray) -> np.ndarray:
+    """One layer's slots (``experts[s]`` on rank ``rank_of_slot[s]``) with each node's
+    replicas dealt over its ranks again where that helps (``_redeal``); loads are t_e."""
+    counts = np.bincount(experts, minlength=len(loads))
+    weights = loads[experts] / counts[experts]
+    ranks = rank_of_slot.copy()
+    load = np.bincount(ranks, weights=weights, minlength=int(ranks_per_node.sum()))
+    if not _redeal(ranks, weights, ranks_per_node, slots_per_rank, load, len(load)):
+        return experts
+    return experts[np.argsort(ranks, kind="stable")]
 
 
 def _slot_table(ranks: np.ndarray, num_all_ranks: int) -> np.ndarray:
@@ -254,6 +277,67 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
         slot_of[heavy, a], slot_of[light, b] = y, x
 
 
+def _redeal(ranks: np.ndarray, weights: np.ndarray, ranks_per_node: np.ndarray,
+            slots_per_rank: np.ndarray, load: np.ndarray, num_ranks: int) -> bool:
+    """In every layer whose busiest rank is still over ``BALANCE_TARGET``, deal each node's
+    replicas over its ranks again, heaviest first to the least loaded rank with room, where
+    that leaves the node's busiest rank lighter (``ranks`` and ``load`` in place; whether
+    any layer was over). Swaps of two replicas cannot reach some spreads: with 11 heavy
+    replicas on a node of 8 ranks of 4 slots, the three ranks that take two heavy ones
+    need the node's lightest pairs.
+
+    A node's ranks hold only what is pinned to that node or free, so any order of its
+    replicas over its ranks keeps anchors and kept replicas home."""
+    n = len(ranks_per_node)
+    num_layers = len(load) // num_ranks
+    slots_of_rank = np.repeat(slots_per_rank, ranks_per_node)
+    per_slot = load.reshape(num_layers, num_ranks) / slots_of_rank
+    mean = load.reshape(num_layers, num_ranks).sum(axis=1) / slots_of_rank.sum()
+    over = per_slot.max(axis=1) > BALANCE_TARGET * mean
+    if not over.any():
+        return False
+    at = np.flatnonzero(over[ranks // num_ranks])
+    rank_base = np.concatenate(([0], np.cumsum(ranks_per_node)[:-1]))
+    rank_node = np.repeat(np.arange(n), ranks_per_node)
+    node = rank_node[ranks[at] % num_ranks]
+    group = (ranks[at] // num_ranks) * n + node  # (layer, node)
+    order = np.lexsort((-weights[at], group))
+    group, node, at = group[order], node[order], at[order]
+    nth = nth_in_run(group)
+    width = int(ranks_per_node.max())
+    capacity = np.where(np.arange(width)[None, :] < ranks_per_node[:, None],
+                        slots_per_rank[:, None], 0)  # [node, rank within]
+    groups, first = np.unique(group, return_index=True)
+    slot = np.searchsorted(groups, group)  # each replica's row among the groups
+    dealt = np.zeros((len(groups), width))
+    room = capacity[node[first]].copy()
+    to = np.empty(len(at), dtype=np.int64)
+    for p in range(int(nth.max()) + 1):
+        now = np.flatnonzero(nth == p)
+        rows = slot[now]
+        pick = np.argmin(np.where(room[rows] > 0, dealt[rows], np.inf), axis=1)
+        dealt[rows, pick] += weights[at[now]]
+        room[rows, pick] -= 1
+        to[now] = pick
+    # Per group: its busiest rank per slot as the swaps left it and as dealt.
+    layer_of_group, node_of_group = np.divmod(groups, n)
+    start = layer_of_group * num_ranks + rank_base[node_of_group]
+    within = np.arange(width)[None, :]
+    real = within < ranks_per_node[node_of_group][:, None]
+    now_load = np.where(real, load[np.where(real, start[:, None] + within, 0)], -np.inf)
+    per = np.maximum(capacity[node_of_group], 1)
+    before = (now_load / per).max(axis=1)
+    after = np.where(real, dealt / per, -np.inf).max(axis=1)
+    better = after < before - 1e-12
+    if not better.any():
+        return True
+    take = better[slot]
+    moved = at[take]
+    ranks[moved] = start[slot[take]] + to[take]
+    load[:] = np.bincount(ranks, weights=weights, minlength=len(load))
+    return True
+
+
 def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndarray,
           experts: np.ndarray, replicas: np.ndarray, capacity: np.ndarray):
     """Replicas each node keeps from ``references`` (per layer, [node, expert]) besides its
@@ -315,18 +399,20 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
 
 
 def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loads,
-                   gpus: Sequence[int], slots: Sequence[int]) -> tuple[object, np.ndarray]:
+                   gpus: Sequence[int], slots: Sequence[int], alike: float = 1.0
+                   ) -> tuple[object, np.ndarray]:
     """The first of ``fills`` (makers of (what it was made from, [layer, slot] fill), in the
     order to take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the
     most balanced of the first ``FILLS_TRIED``: the options are ranked on their most fragile
-    layer, and another layer may not balance as that one does. A lone fill is taken as it
-    is (nothing to fall back on)."""
+    layer, and another layer may not balance as that one does. A later fill counts as more
+    balanced only by more than a factor ``alike`` (a re-plan's come in the order of what
+    they move, least first). A lone fill is taken as it is (nothing to fall back on)."""
     if len(fills) == 1:
         return fills[0]()
     best = None
     for made_from, placements in (make() for make in fills[:FILLS_TRIED]):
         worst = filled_balance(placements, loads, gpus, [c // g for c, g in zip(slots, gpus)])
-        if best is None or max(worst, BALANCE_TARGET) < best[0]:
+        if best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
             best = (max(worst, BALANCE_TARGET), made_from, placements)
         if worst <= BALANCE_TARGET:
             break

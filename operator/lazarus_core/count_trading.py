@@ -31,10 +31,13 @@ import numpy as np
 # Work one trade may do, in rank loads computed (a retarget costs a row of them, a swap
 # one), over all its climbs, and all the layers of one fill together (each an equal share,
 # at most the first): a re-plan after losing half of 1,024 GPUs traded 58 layers, each to
-# its own bound, in 16 s (7 s shared). Small clusters use a few percent of either (the
-# balance sweep's largest trade: 0.6 million). And rows computed at once (memory).
+# its own bound, in 16 s (7 s shared at 8 million). Small clusters use a few percent of
+# either (the balance sweep's largest trade: 0.6 million). The 256-GPU case of
+# benchmarks/bench_solver.py, spread evenly, needs 16 million for its 58 layers to trade as
+# far as its most fragile one did alone (1.048 against 1.050 at 8 million). And rows
+# computed at once (memory).
 MAX_EVALUATIONS = 2_000_000
-FILL_EVALUATIONS = 8_000_000
+FILL_EVALUATIONS = 16_000_000
 CHUNK = 1 << 18
 # Ranks whose slots are tried in each round, busiest first.
 TOP_RANKS = 4

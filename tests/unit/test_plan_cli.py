@@ -47,10 +47,10 @@ def test_human_table_shows_all_policies_side_by_side():
 def test_loads_file_per_expert(tmp_path):
     loads = tmp_path / "loads.json"
     loads.write_text(json.dumps([1, 1, 1, 9]))
-    out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads",
+    out = lazarus("plan", "--nodes", "4", "--slots", "6", "--experts", "4", "--loads",
                   str(loads), "--json")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["replicas"][0] == [2, 2, 2, 10]
+    assert json.loads(out.stdout)["replicas"][0] == [2, 2, 2, 18]
 
 
 @pytest.mark.parametrize("args,field", [
