@@ -112,8 +112,7 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
     # A template spread evenly (``anchor_evenly``) is followed so by the layers that cannot
     # take its anchors as they are.
     fewest = min((r for r in template.replicas if r), default=0)
-    spread = fewest and set(family) == {sum(1 << i for i in nodes)
-                                        for nodes in even_cover(len(slots), fewest)}
+    spread = fewest and set(family) == set(even_cover_masks(len(slots), fewest))
     template_rank = _ranked([template.replicas], [template_weights])[0]
     template_sorted = [template.replicas[e] for e in template_rank]
     out = []
@@ -174,6 +173,11 @@ def even_cover(num_nodes: int, size: int) -> list[list[int]]:
     return out
 
 
+def even_cover_masks(num_nodes: int, size: int) -> list[int]:
+    """``even_cover``'s sets as node bitmasks."""
+    return [sum(1 << i for i in nodes) for nodes in even_cover(num_nodes, size)]
+
+
 def anchor_evenly(replicas: Sequence[int], weights: Sequence[float], slots: Sequence[int]
                   ) -> LayerAnchors | None:
     """Anchors for one layer that spread every node's anchored load and count alike: each
@@ -187,7 +191,7 @@ def anchor_evenly(replicas: Sequence[int], weights: Sequence[float], slots: Sequ
     if not live:
         return None
     q = min(live)
-    sets = [sum(1 << i for i in nodes) for nodes in even_cover(len(slots), q)]
+    sets = even_cover_masks(len(slots), q)
     return _deal_evenly(sets, replicas, weights, slots, q, None)
 
 

@@ -254,6 +254,7 @@ class _Shape:
         self.seeds = list(range(len(self.variants)))
         self.filled_options: dict[tuple, tuple] = {}  # (key, trade) -> ``option``
         self.traded_counts: dict[tuple[int, int], list[int]] = {}  # key -> ``traded``
+        self.alike_layers: dict[int, bool] = {}  # variant -> ``uniform``
 
     def weighed_variant(self, index: int):
         """``weighed`` of variant ``index`` (computed once)."""
@@ -514,10 +515,13 @@ class _Shape:
 
     def uniform(self, value) -> bool:
         """Whether every layer of the option's variant has its most fragile layer's counts,
-        sorted."""
+        sorted (once per variant: ``ranked`` asks for every option each time)."""
         (index, _), _, probe, _ = value
-        counts = self.variants[index]
-        return all(sorted(layer) == sorted(counts[probe]) for layer in counts)
+        if index not in self.alike_layers:
+            counts = self.variants[index]
+            fragile = sorted(counts[probe])
+            self.alike_layers[index] = all(sorted(layer) == fragile for layer in counts)
+        return self.alike_layers[index]
 
 
 def _variant(choice):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .allocation import allocate_many
-from .anchors import anchors_of_presence, even_cover, nodes_of
+from .anchors import anchors_of_presence, even_cover_masks, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
@@ -165,8 +165,7 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]
                            if all(name in position for name in names) else 0)
     cores = set(translate) - {0}
     size = min((c.bit_count() for c in cores), default=0)
-    even = size and cores <= {sum(1 << i for i in nodes)
-                              for nodes in even_cover(len(old.nodes), size)}
+    even = size and cores <= set(even_cover_masks(len(old.nodes), size))
     return [[translate[c] for c in a.cores] for a in anchors], size if even else None
 
 
