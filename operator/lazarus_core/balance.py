@@ -14,7 +14,11 @@ replica may go anywhere without lowering recovery. The fill:
 4. swaps replicas between busy and light ranks while that helps: anchors stay on their
    node, kept replicas too unless the ranks are still more than ``BALANCE_TARGET`` apart;
 5. with ``trade``, lets a layer still more than ``BALANCE_TARGET`` apart trade replica
-   counts (``count_trading.py``): the counts it returns may differ from those given.
+   counts (``count_trading.py``): the counts it returns may differ from those given. In a
+   fresh fill the layer furthest over trades first, with a lone layer's work bound, and
+   the other layers take its placement, renamed by load rank, where that keeps their
+   anchors and balances them better (``_borrow_best``); only those it does not serve trade,
+   on their share of the fill's work, and may lend theirs in turn.
 
 Ranks follow plan.py: slot s of a node belongs to its rank s // slots_per_rank.
 """
@@ -24,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .count_trading import layer_budget, trade_counts
+from .count_trading import MAX_EVALUATIONS, layer_budget, trade_counts
 
 Placement = list[list[int]]
 
@@ -166,13 +170,82 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         # Anchors and, on a re-plan, kept replicas stay what they are: a kept replica
         # traded away is one more transfer.
         final_home = homes[0][0][order].reshape(num_layers, -1)
-        budget = layer_budget(len(over))
-        for li in over:
-            traded = trade_counts(placed[li], rank_of_slot, rank_node[:num_ranks],
-                                  final_home[li], w[li] * r[li], rank_slots[:num_ranks],
-                                  int(r[li].min()), BALANCED_ENOUGH, budget)
-            placed[li] = _redealt(traded, rank_of_slot, w[li] * r[li], g, s)
+        t = w * r
+
+        def traded(li: int, row: np.ndarray, budget: int) -> np.ndarray:
+            return _redealt(trade_counts(row, rank_of_slot, rank_node[:num_ranks],
+                                         final_home[li], t[li], rank_slots[:num_ranks],
+                                         int(r[li].min()), BALANCED_ENOUGH, budget),
+                            rank_of_slot, t[li], g, s)
+
+        anchors = np.asarray(anchored, dtype=np.int64).reshape(-1, 3)
+        own = placed.copy()  # the fill's own placements: ``final_home`` is theirs
+        rest = over
+        if references is None:
+            # The layer furthest over trades first, as a lone layer would; those that
+            # take its placement (``_borrow_best``) and balance as well need not trade.
+            lead = int(over[np.argmax(layer_balance(placed[over], t[over], g, s))])
+            placed[lead] = traded(lead, own[lead], MAX_EVALUATIONS)
+            _borrow_best(placed, anchors, t, g, s)
+            balance = layer_balance(placed[over], t[over], g, s)
+            rest = over[(over != lead) & (balance > BALANCE_TARGET)
+                        & (balance > balance[over == lead] + 1e-12)]
+        budget = layer_budget(len(rest))
+        for li in rest:
+            mine = traded(li, own[li], budget)
+            if references is None:  # it may have borrowed a better placement than this
+                balance = layer_balance(np.stack((mine, placed[li])), t[[li, li]], g, s)
+                if balance[0] >= balance[1]:
+                    continue
+            placed[li] = mine
+        if references is None and len(rest):
+            _borrow_best(placed, anchors, t, g, s)
     return placed
+
+
+def _borrow_best(placed: np.ndarray, anchored: np.ndarray, loads: np.ndarray,
+                 ranks_per_node: np.ndarray, slots_per_rank: np.ndarray) -> None:
+    """Layers still over ``BALANCE_TARGET`` after trading take the best balanced layer's
+    placement, its experts renamed by load rank (its heaviest becomes theirs), where that
+    keeps every anchor of theirs on its node and no expert below their fewest replicas,
+    and balances them better (``placed`` in place; loads are t_e).
+
+    Aligned layers with the same sorted counts take the same anchors in load order, so
+    where layers carry the same loads in another order, all of them then balance as the
+    best one does, for the work of trading one (512 GPUs, E = 256, 58 layers: each trading
+    on its share of the fill's work ended at 1.051-1.053, the most fragile one alone at
+    1.0496). Layers whose loads differ in shape keep their own where it is better.
+    """
+    num_layers, num_experts = loads.shape
+    if num_layers < 2:
+        return
+    g = np.asarray(ranks_per_node, dtype=np.int64)
+    per_rank = np.asarray(slots_per_rank, dtype=np.int64)
+    balance = layer_balance(placed, loads, g, per_rank)
+    donor = int(np.argmin(balance))
+    over = np.flatnonzero((balance > BALANCE_TARGET) & (balance > balance[donor] + 1e-12))
+    if not len(over):
+        return
+    # rank[l, e]: e's place in layer l by load, heaviest first (ties by id); heaviest[l, j]:
+    # layer l's expert at place j.
+    heaviest = np.lexsort((np.broadcast_to(np.arange(num_experts), loads.shape), -loads))
+    rank = np.empty_like(heaviest)
+    rank[np.arange(num_layers)[:, None], heaviest] = np.arange(num_experts)
+    taken = heaviest[over][:, rank[donor][placed[donor]]]  # [over layer, slot]
+    fewest = fill_counts(placed, num_experts).min(axis=1)
+    # Anchors held: every anchored (layer, node, expert) of the layers over is in ``taken``.
+    n = len(g)
+    node_of = np.repeat(np.arange(n), g * per_rank)
+    at = np.full(num_layers, -1)
+    at[over] = np.arange(len(over))
+    held = np.zeros(len(over) * n * num_experts, dtype=bool)
+    held[((np.arange(len(over))[:, None] * n + node_of) * num_experts + taken).ravel()] = True
+    rows = anchored[at[anchored[:, 0]] >= 0]
+    missing = ~held[(at[rows[:, 0]] * n + rows[:, 1]) * num_experts + rows[:, 2]]
+    keeps = np.bincount(at[rows[:, 0]][missing], minlength=len(over)) == 0
+    better = (keeps & (fewest[donor] >= fewest[over])
+              & (layer_balance(taken, loads[over], g, per_rank) < balance[over] - 1e-12))
+    placed[over[better]] = taken[better]
 
 
 def _redealt(experts: np.ndarray, rank_of_slot: np.ndarray, loads: np.ndarray,
@@ -282,7 +355,7 @@ def _redeal(ranks: np.ndarray, weights: np.ndarray, ranks_per_node: np.ndarray,
     """In every layer whose busiest rank is still over ``BALANCE_TARGET``, deal each node's
     replicas over its ranks again, heaviest first to the least loaded rank with room, where
     that leaves the node's busiest rank lighter (``ranks`` and ``load`` in place; whether
-    any layer was over). Swaps of two replicas cannot reach some spreads: with 11 heavy
+    any replica moved). Swaps of two replicas cannot reach some spreads: with 11 heavy
     replicas on a node of 8 ranks of 4 slots, the three ranks that take two heavy ones
     need the node's lightest pairs.
 
@@ -330,7 +403,7 @@ def _redeal(ranks: np.ndarray, weights: np.ndarray, ranks_per_node: np.ndarray,
     after = np.where(real, dealt / per, -np.inf).max(axis=1)
     better = after < before - 1e-12
     if not better.any():
-        return True
+        return False
     take = better[slot]
     moved = at[take]
     ranks[moved] = start[slot[take]] + to[take]

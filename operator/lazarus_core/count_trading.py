@@ -32,12 +32,11 @@ import numpy as np
 # one), over all its climbs, and all the layers of one fill together (each an equal share,
 # at most the first): a re-plan after losing half of 1,024 GPUs traded 58 layers, each to
 # its own bound, in 16 s (7 s shared at 8 million). Small clusters use a few percent of
-# either (the balance sweep's largest trade: 0.6 million). The 256-GPU case of
-# benchmarks/bench_solver.py, spread evenly, needs 16 million for its 58 layers to trade as
-# far as its most fragile one did alone (1.048 against 1.050 at 8 million). And rows
-# computed at once (memory).
+# either (the balance sweep's largest trade: 0.6 million). A fresh fill trades its layer
+# furthest over first with a lone layer's budget, and the layers that take its placement
+# do not trade (``balance._borrow_best``). And rows computed at once (memory).
 MAX_EVALUATIONS = 2_000_000
-FILL_EVALUATIONS = 16_000_000
+FILL_EVALUATIONS = 8_000_000
 CHUNK = 1 << 18
 # Ranks whose slots are tried in each round, busiest first.
 TOP_RANKS = 4
@@ -200,10 +199,11 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     by_row = np.argsort(row, kind="stable")
     starts = np.searchsorted(row[by_row], np.arange(len(pairs) + 1))
     top = np.empty(len(p))
+    held = np.ascontiguousarray(n.T, dtype=np.float64)
     chunk = max(1, CHUNK // num_ranks)
     for start in range(0, len(pairs), chunk):
         end = min(start + chunk, len(pairs))
-        after = _rows_after(layer, n, r, w, load, pa[start:end], pb[start:end])
+        after = _rows_after(layer, held, r, w, load, pa[start:end], pb[start:end])
         best = after.argmax(axis=1)
         largest = after[np.arange(len(after)), best]
         after[np.arange(len(after)), best] = -np.inf
@@ -220,19 +220,24 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     near = np.flatnonzero(top <= cut)
     for start in range(0, len(near), chunk):
         some = near[start:start + chunk]
-        after = _rows_after(layer, n, r, w, load, a[some], q[some])
+        after = _rows_after(layer, held, r, w, load, a[some], q[some])
         after[np.arange(len(after)), k[some]] += own[some]
         squares[some] = (after * after).sum(axis=1)
     return top, squares, p, q
 
 
-def _rows_after(layer, n, r, w, load, a, b):
+def _rows_after(layer, held, r, w, load, a, b):
     """[move, rank]: every rank's load per slot once a replica of a becomes one of b, but
-    for the rank of the replica that changes (it gains b and sheds a: ``own``)."""
+    for the rank of the replica that changes (it gains b and sheds a: ``own``).
+    ``held[e, rank]``: replicas of e on each rank, as floats (rows gather faster than the
+    columns of [rank, expert] counts; the same sums in the same order)."""
     wa = layer.loads[a] / (r[a] - 1)
     wb = layer.loads[b] / (r[b] + 1)
-    return load[None, :] + (n[:, a].T * (wa - w[a])[:, None]
-                            + n[:, b].T * (wb - w[b])[:, None]) * layer.per_slot[None, :]
+    out = held[a] * (wa - w[a])[:, None]
+    out += held[b] * (wb - w[b])[:, None]
+    out *= layer.per_slot
+    out += load
+    return out
 
 
 def _swaps(layer, x, pinned, n, w, load, busy):
@@ -240,12 +245,15 @@ def _swaps(layer, x, pinned, n, w, load, busy):
     only within its node, and neither lands on a rank that holds its expert already. Only
     two ranks change, so each move is scored from the three busiest ranks and the sum of
     squares as they are."""
+    node = layer.rank_node
     src = np.flatnonzero(np.isin(layer.rank_of_slot, busy))
-    p = np.repeat(src, len(x))
-    q = np.tile(np.arange(len(x)), len(src))
+    # Partners: free replicas, and pinned ones at home on a busy rank's node (the others
+    # could not land on a busy rank), in slot order as before.
+    partners = np.flatnonzero((pinned < 0) | np.isin(pinned, node[busy]))
+    p = np.repeat(src, len(partners))
+    q = np.tile(partners, len(src))
     k1, k2 = layer.rank_of_slot[p], layer.rank_of_slot[q]
     e1, e2 = x[p], x[q]
-    node = layer.rank_node
     ok = (k1 != k2) & (e1 != e2) & (n[k2, e1] == 0) & (n[k1, e2] == 0)
     ok &= ((pinned[p] < 0) | (pinned[p] == node[k2])) & ((pinned[q] < 0) | (pinned[q] == node[k1]))
     p, q, k1, k2, e1, e2 = p[ok], q[ok], k1[ok], k2[ok], e1[ok], e2[ok]
