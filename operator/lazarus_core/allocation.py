@@ -80,8 +80,9 @@ def even_out(replicas: Sequence[int], loads: Sequence[float], keep: int) -> list
     1.45 times the mean. One replica at a time moves from the expert whose replicas would
     still carry the least load to the expert whose replicas carry the most, while that
     lowers the most. Donors keep at least ``keep`` replicas (a placement passes the
-    number of nodes, so no donor's node set shrinks), every count stays at least what the
-    formula gave or ``keep``, and more load still never gets fewer replicas.
+    number of nodes, so no donor's node set shrinks, or the layer's fewest where that
+    trades too little: ``mro._evened``), every count stays at least what the formula gave
+    or ``keep``, and more load still never gets fewer replicas.
     """
     r = list(replicas)
     if sum(loads) <= 0:
