@@ -10,7 +10,6 @@ floating-point shares would round a slot away.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,43 +71,85 @@ def allocate_many(loads: Sequence[Sequence[float]], total_slots: int,
     return replicas.tolist()
 
 
-def even_out(replicas: Sequence[int], loads: Sequence[float], keep: int) -> list[int]:
-    """Replica counts traded so that no replica carries much more load than the mean.
+def even_out(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]],
+             keep: int | Sequence[int]) -> list[list[int]]:
+    """Every layer's replica counts traded so that no replica carries much more load than
+    the mean.
 
     The formula above floors every share and gives the rounding left over to the most
     loaded expert, so an expert whose share is 2.9 slots gets 2 replicas, each carrying
     1.45 times the mean. One replica at a time moves from the expert whose replicas would
     still carry the least load to the expert whose replicas carry the most, while that
-    lowers the most. Donors keep at least ``keep`` replicas (a placement passes the
-    number of nodes, so no donor's node set shrinks, or the layer's fewest where that
-    trades too little: ``mro._evened``), every count stays at least what the formula gave
-    or ``keep``, and more load still never gets fewer replicas.
+    lowers the most. Donors keep at least ``keep`` replicas, one number or one per layer
+    (a placement passes the number of nodes, so no donor's node set shrinks, or the
+    layer's fewest where that trades too little: ``mro._evened``); every count stays at
+    least what the formula gave or ``keep``, and more load still never gets fewer
+    replicas.
+
+    The trades merge two sequences: the levels at which receivers gain, t_e / (r_e + j)
+    for j = 0, 1, ..., visited from the highest (ties: more load, then id), and the levels
+    donors carry once they have given, t_e / (r_e - 1 - j) for j < r_e - keep, visited
+    from the lowest (ties: less load, then id). No expert is on both sides: one that
+    received would give back at the level it received at, above any level still to come,
+    and one that gave would receive at the level it gave at, below any still to come. So
+    the i-th trade happens while the i-th donor level is below the i-th receiver level,
+    and as both sequences are monotone the trades are a prefix: one comparison of the
+    sorted sequences counts them, for every layer at once. Each expert's first few levels
+    on each side suffice unless one of them uses its whole window within the first trades
+    + 1; those layers are done again with windows four times as long. (58 layers of 256
+    experts: 16 ms as a heap loop per layer, 8 ms so.)
     """
-    r = list(replicas)
-    if sum(loads) <= 0:
-        return r
-    # Receivers come off a max-heap of load per replica (ties: more load, then id), donors
-    # off a min-heap of load per replica after giving one away (ties: less load, then id).
-    # The levels traded at only fall on the receiving side and only rise on the giving
-    # side, so no expert is ever on both: one that received would give back at the level
-    # it received at, above any level still to come, and one that gave would receive at
-    # the level it gave at, below any still to come. Each heap keeps only its own side's
-    # entries up to date; the other side's entry of an expert never comes first while a
-    # trade is still possible.
-    gain = [(-t / n, -t, e) for e, (t, n) in enumerate(zip(loads, r)) if n]
-    give = [(t / (n - 1), t, e) for e, (t, n) in enumerate(zip(loads, r)) if n > keep]
-    heapq.heapify(gain)
-    heapq.heapify(give)
-    while give:
-        neg, neg_load, x = gain[0]
-        after, load, d = give[0]
-        if after >= -neg:  # the donor would carry as much as the neediest: balanced
-            break
-        r[x] += 1
-        r[d] -= 1
-        heapq.heapreplace(gain, (neg_load / r[x], neg_load, x))
-        if r[d] > keep:
-            heapq.heapreplace(give, (load / (r[d] - 1), load, d))
-        else:
-            heapq.heappop(give)
-    return r
+    r = np.asarray(replicas, dtype=np.int64).reshape(len(replicas), -1)
+    t = np.asarray(loads, dtype=np.float64).reshape(r.shape)
+    floor = np.broadcast_to(np.asarray(keep, dtype=np.int64).reshape(-1, 1), r.shape)
+    out = r.copy()
+    todo = np.flatnonzero(t.sum(axis=1) > 0)
+    gaining, giving = 2, 64
+    while len(todo):
+        done, counts = _traded(r[todo], t[todo], floor[todo], gaining, giving)
+        out[todo[done]] = counts[done]
+        todo = todo[~done]
+        gaining, giving = 4 * gaining, 4 * giving
+    return out.tolist()
+
+
+def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """``even_out``'s counts for every layer, with ``gaining`` levels of each
+    receiver and ``giving`` of each donor, and which layers those windows decide."""
+    num_layers, num_experts = r.shape
+    rows = np.arange(num_layers)[:, None]
+    ids = np.broadcast_to(np.arange(num_experts), r.shape)
+    # Receivers laid out in their tie order, so that a stable sort of the levels visits
+    # them in order (an expert's own levels only fall).
+    up = np.lexsort((ids, -t))
+    r_up, t_up = r[rows, up, None], t[rows, up, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gain = np.where(r_up > 0, t_up / (r_up + np.arange(gaining)), -np.inf)
+    gain = gain.reshape(num_layers, -1)
+    gain_order = np.argsort(-gain, axis=1, kind="stable")
+    # Donors first, in their tie order; only as many columns as the most donors a layer has.
+    can = np.maximum(r - keep, 0)
+    down = np.lexsort((ids, t, can == 0))[:, :max(int((can > 0).sum(axis=1).max()), 1)]
+    r_down, t_down, can_down = r[rows, down, None], t[rows, down, None], can[rows, down]
+    j = np.arange(giving)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        give = np.where(j < can_down[..., None], t_down / (r_down - 1 - j), np.inf)
+    give = give.reshape(num_layers, -1)
+    give_order = np.argsort(give, axis=1, kind="stable")
+    both = min(gain.shape[1], give.shape[1])
+    trades = (np.take_along_axis(give, give_order[:, :both], axis=1)
+              < np.take_along_axis(gain, gain_order[:, :both], axis=1)).sum(axis=1)
+    gain_place = np.empty_like(gain_order)
+    gain_place[rows, gain_order] = np.arange(gain.shape[1])
+    gain_place = gain_place.reshape(num_layers, num_experts, gaining)
+    give_place = np.empty_like(give_order)
+    give_place[rows, give_order] = np.arange(give.shape[1])
+    give_place = give_place.reshape(num_layers, -1, giving)
+    counts = r.copy()
+    counts[rows, up] += (gain_place < trades[:, None, None]).sum(axis=2)
+    counts[rows, down] -= (give_place < trades[:, None, None]).sum(axis=2)
+    # A window used up within the first trades + 1 may hide the next level that counts.
+    short = ((gain_place[..., -1] <= trades[:, None]).any(axis=1)
+             | ((give_place[..., -1] <= trades[:, None]) & (can_down > giving)).any(axis=1))
+    return ~short, counts

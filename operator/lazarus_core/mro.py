@@ -131,12 +131,12 @@ def _evened(layers: Sequence[Sequence[int]], loads: Sequence[Sequence[float]],
     12 layers at 1.08-1.10). Each is a variant of its own: the search weighs recovery, and
     a structure for counts evened so far may recover less than what it would pick
     otherwise."""
-    per_node = [even_out(r, t, nodes) for r, t in zip(layers, loads)]
+    per_node = even_out(layers, loads, nodes)
     if not any(max(even) <= nodes and max(t / r for t, r in zip(load, even) if r)
                > BALANCE_TARGET * sum(load) / sum(even)
                for even, load in zip(per_node, loads)):
         return [per_node]
-    return [per_node, [even_out(r, t, min(r)) for r, t in zip(layers, loads)]]
+    return [per_node, even_out(layers, loads, [min(r) for r in layers])]
 
 
 def per_replica(replicas, loads) -> np.ndarray:

@@ -24,7 +24,7 @@ def heaviest_over_mean(counts, loads) -> float:
 def test_a_replica_per_node_leaves_nothing_to_trade_here():
     counts = allocate_many(LOADS, SLOTS, 2)
     assert max(max(c) for c in counts) <= len(NODES)
-    per_node = [even_out(c, t, len(NODES)) for c, t in zip(counts, LOADS)]
+    per_node = even_out(counts, LOADS, len(NODES))
     assert per_node == counts  # no donor
     assert max(heaviest_over_mean(c, t) for c, t in zip(counts, LOADS)) > BALANCE_TARGET
 

@@ -100,13 +100,28 @@ def test_evening_out_is_the_step_by_step_trade(data):
     experts = data.draw(st.integers(1, 24))
     nodes = data.draw(st.integers(1, 12))
     f = data.draw(st.integers(1, 3))
-    slots = data.draw(st.integers(experts * f, experts * f + 120))
-    # Loads with ties (equal loads, loads in simple ratios) as well as random ones.
-    loads = data.draw(st.lists(st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.25, 1 / 3]),
-                                         st.floats(0, 10)), min_size=experts,
-                               max_size=experts))
-    replicas = allocate_many([loads], slots, f)[0]
-    keep = data.draw(st.sampled_from([nodes, 1, f]))
-    got = even_out(replicas, loads, keep)
-    assert got == _even_out_step_by_step(replicas, loads, keep)
-    assert sum(got) == sum(replicas)
+    slots = data.draw(st.integers(experts * f, experts * f + 400))
+    # Loads with ties (equal loads, loads in simple ratios) as well as random ones; layers
+    # evened out together, each with its own floor for donors.
+    layers = data.draw(st.lists(
+        st.lists(st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.25, 1 / 3]), st.floats(0, 10)),
+                 min_size=experts, max_size=experts), min_size=1, max_size=3))
+    replicas = allocate_many(layers, slots, f)
+    keep = data.draw(st.one_of(st.sampled_from([nodes, 1, f]),
+                               st.lists(st.integers(1, 12), min_size=len(layers),
+                                        max_size=len(layers))))
+    got = even_out(replicas, layers, keep)
+    each = [keep] * len(layers) if isinstance(keep, int) else keep
+    assert got == [_even_out_step_by_step(r, t, k) for r, t, k in zip(replicas, layers, each)]
+    assert [sum(r) for r in got] == [sum(r) for r in replicas]
+
+
+def test_evening_out_widens_its_windows_where_one_expert_trades_many_times():
+    # One hot expert gives 200 replicas away and the cold ones gain up to 9 each: more
+    # than the first windows hold (2 levels a receiver, 64 a donor).
+    from lazarus_core.allocation import even_out
+    loads = [1000.0] + [40.0 + e for e in range(24)]
+    replicas = [300] + [1] * 24
+    got = even_out([replicas], [loads], 1)[0]
+    assert got == _even_out_step_by_step(replicas, loads, 1)
+    assert replicas[0] - got[0] > 64 and max(got[1:]) - 1 > 2
