@@ -140,12 +140,8 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
     both = min(gain.shape[1], give.shape[1])
     trades = (np.take_along_axis(give, give_order[:, :both], axis=1)
               < np.take_along_axis(gain, gain_order[:, :both], axis=1)).sum(axis=1)
-    gain_place = np.empty_like(gain_order)
-    gain_place[rows, gain_order] = np.arange(gain.shape[1])
-    gain_place = gain_place.reshape(num_layers, num_experts, gaining)
-    give_place = np.empty_like(give_order)
-    give_place[rows, give_order] = np.arange(give.shape[1])
-    give_place = give_place.reshape(num_layers, -1, giving)
+    gain_place = _places(gain_order).reshape(num_layers, num_experts, gaining)
+    give_place = _places(give_order).reshape(num_layers, -1, giving)
     counts = r.copy()
     counts[rows, up] += (gain_place < trades[:, None, None]).sum(axis=2)
     counts[rows, down] -= (give_place < trades[:, None, None]).sum(axis=2)
@@ -153,3 +149,10 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
     short = ((gain_place[..., -1] <= trades[:, None]).any(axis=1)
              | ((give_place[..., -1] <= trades[:, None]) & (can_down > giving)).any(axis=1))
     return ~short, counts
+
+
+def _places(order: np.ndarray) -> np.ndarray:
+    """Row by row, each element's place in ``order`` (the inverse permutation)."""
+    places = np.empty_like(order)
+    places[np.arange(len(order))[:, None], order] = np.arange(order.shape[1])
+    return places

@@ -132,9 +132,10 @@ def _evened(layers: Sequence[Sequence[int]], loads: Sequence[Sequence[float]],
     a structure for counts evened so far may recover less than what it would pick
     otherwise."""
     per_node = even_out(layers, loads, nodes)
-    if not any(max(even) <= nodes and max(t / r for t, r in zip(load, even) if r)
-               > BALANCE_TARGET * sum(load) / sum(even)
-               for even, load in zip(per_node, loads)):
+    counts, t = np.asarray(per_node), np.asarray(loads, dtype=np.float64)
+    heavy = (per_replica(per_node, loads).max(axis=1)
+             > BALANCE_TARGET * t.sum(axis=1) / counts.sum(axis=1))
+    if not (heavy & (counts.max(axis=1) <= nodes)).any():
         return [per_node]
     return [per_node, even_out(layers, loads, [min(r) for r in layers])]
 
