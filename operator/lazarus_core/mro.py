@@ -71,7 +71,8 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     _, placements = first_balanced(
         [lambda make=make: (None, place_anchored(make(), slots, weights, ranks_per_node, None,
                                                  trade=loads is not None))
-         for make in structure(layers, slots, loads, ranks_per_node)], weights, g, slots)
+         for make in structure(layers, slots, loads, ranks_per_node)], weights, g, slots,
+        fresh=True)
     return [split_slots(row, slots) for row in placements]
 
 

@@ -95,7 +95,8 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
     _, placements = first_balanced(
         [lambda make=make: (None, place_anchored(make(), slots, weights, gpus, None,
                                                  trade=loads is not None))
-         for make in structure(replicas, slots, loads, gpus)], weights, gpus, slots)
+         for make in structure(replicas, slots, loads, gpus)], weights, gpus, slots,
+        fresh=True)
     return ordered, fill_counts(placements, experts).tolist(), placements
 
 
