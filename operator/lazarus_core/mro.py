@@ -402,8 +402,7 @@ class _Shape:
         better (448 GPUs, 58 layers of zipf 1: 1.0646 with no fatal pair of nodes against
         1.0640 with 4; the re-plan after losing 4 nodes, a spread plan's, then moved
         19,641 replicas against 50,167). With ``spread_only`` (a re-plan of a plan spread
-        evenly, which was spread because the first search did not balance), the second search
-        alone: 256 GPUs after losing 4 of 32 nodes, the same re-plans in a fifth less time.
+        evenly, which the second search chose), the second search alone: 256 GPUs after losing 4 of 32 nodes, the same re-plans in a fifth less time.
         """
         if spread_only and self.trade:
             self.spreading = True
