@@ -495,7 +495,7 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
         if i == tried:
             break
         made_from, placements = make()
-        if fresh:
+        if fresh and i == 0:  # the work bound needs the number of layers filled
             tried = min(max(FILLS_TRIED, FILL_WORK // (sum(slots) * len(placements))),
                         MOST_FILLS)
         worst = filled_balance(placements, loads, gpus, [c // g for c, g in zip(slots, gpus)])

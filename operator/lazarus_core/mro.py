@@ -402,7 +402,8 @@ class _Shape:
         better (448 GPUs, 58 layers of zipf 1: 1.0646 with no fatal pair of nodes against
         1.0640 with 4; the re-plan after losing 4 nodes, a spread plan's, then moved
         19,641 replicas against 50,167). With ``spread_only`` (a re-plan of a plan spread
-        evenly, which the second search chose), the second search alone: 256 GPUs after losing 4 of 32 nodes, the same re-plans in a fifth less time.
+        evenly, which the second search chose), the second search alone: 256 GPUs after
+        losing 4 of 32 nodes, the same re-plans in a fifth less time.
         """
         if spread_only and self.trade:
             self.spreading = True
@@ -426,8 +427,7 @@ class _Shape:
         failure count scored, and fewer at some (beyond ``RECOVERY_TOLERANCE``)."""
         n = len(self.slots)
         key, other_key = (cores_key(c[3], n, self.k) for c in (choice, other))
-        return (all(a <= b for a, b in zip(key, other_key))
-                and not _within(key, other_key, n))
+        return all(a <= b for a, b in zip(key, other_key)) and _better_key(key, other_key, n)
 
     def search(self) -> tuple[tuple, float]:
         """The choice among the options, and its most fragile layer's balance.
