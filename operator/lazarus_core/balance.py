@@ -480,17 +480,31 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
 
 def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loads,
                    gpus: Sequence[int], slots: Sequence[int], alike: float = 1.0,
-                   fresh: bool = False) -> tuple[object, np.ndarray]:
+                   fresh: bool = False, rescue: Callable[[], tuple[object, np.ndarray]] | None
+                   = None) -> tuple[object, np.ndarray]:
     """The first of ``fills`` (makers of (what it was made from, [layer, slot] fill), in the
     order to take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the
     most balanced of the first ``FILLS_TRIED`` (for a ``fresh`` plan, of as many more as
     ``FILL_WORK`` allows): the options are ranked on their most fragile layer, and another
     layer may not balance as that one does. A later fill counts as more balanced only by
     more than a factor ``alike`` (a re-plan's come in the order of what they move, least
-    first). A lone fill is taken as it is (nothing to fall back on)."""
-    if len(fills) == 1:
+    first). A lone fill is taken as it is (nothing to fall back on). Where none of them
+    balances, ``rescue`` is filled last, and taken where it is more balanced by more than
+    ``BALANCED_ENOUGH`` too (``mro.structure``: the options were chosen over it for
+    recovery or for a better balanced most fragile layer)."""
+    if len(fills) == 1 and rescue is None:
         return fills[0]()
-    best, tried = None, FILLS_TRIED
+    per_rank = [c // g for c, g in zip(slots, gpus)]
+    best = None
+
+    def balanced(made_from, placements, alike=alike) -> bool:
+        nonlocal best
+        worst = filled_balance(placements, loads, gpus, per_rank)
+        if best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
+            best = (max(worst, BALANCE_TARGET), made_from, placements)
+        return worst <= BALANCE_TARGET
+
+    tried = FILLS_TRIED
     for i, make in enumerate(fills):
         if i == tried:
             break
@@ -498,11 +512,10 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
         if fresh and i == 0:  # the work bound needs the number of layers filled
             tried = min(max(FILLS_TRIED, FILL_WORK // (sum(slots) * len(placements))),
                         MOST_FILLS)
-        worst = filled_balance(placements, loads, gpus, [c // g for c, g in zip(slots, gpus)])
-        if best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
-            best = (max(worst, BALANCE_TARGET), made_from, placements)
-        if worst <= BALANCE_TARGET:
-            break
+        if balanced(made_from, placements):
+            return best[1], best[2]
+    if rescue is not None:
+        balanced(*rescue(), alike=max(alike, BALANCED_ENOUGH))
     return best[1], best[2]
 
 

@@ -66,14 +66,25 @@ def mro(layers: Sequence[Sequence[int]], slots: Sequence[int],
     counts are kept. ``ranks_per_node`` splits each node's slots over its ranks (one rank
     when absent).
     """
+    return [split_slots(row, slots) for row in filled(layers, slots, loads, ranks_per_node)]
+
+
+def filled(layers: Sequence[Sequence[int]], slots: Sequence[int],
+           loads: Sequence[Sequence[float]] | None,
+           ranks_per_node: Sequence[int] | None) -> np.ndarray:
+    """A fresh plan's [layer, slot] fill: ``structure``'s options filled in turn
+    (``balance.first_balanced``), with the first search's choice as the rescue."""
     weights = loads if loads is not None else [[1.0] * len(r) for r in layers]
     g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
-    _, placements = first_balanced(
-        [lambda make=make: (None, place_anchored(make(), slots, weights, ranks_per_node, None,
-                                                 trade=loads is not None))
-         for make in structure(layers, slots, loads, ranks_per_node)], weights, g, slots,
-        fresh=True)
-    return [split_slots(row, slots) for row in placements]
+
+    def fill(make):
+        return lambda: (None, place_anchored(make(), slots, weights, ranks_per_node, None,
+                                             trade=loads is not None))
+
+    makers, rescue = structure(layers, slots, loads, ranks_per_node)
+    _, placements = first_balanced([fill(make) for make in makers], weights, g, slots,
+                                   fresh=True, rescue=rescue and fill(rescue))
+    return placements
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
@@ -150,10 +161,19 @@ def per_replica(replicas, loads) -> np.ndarray:
 def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
               loads: Sequence[Sequence[float]] | None,
               ranks_per_node: Sequence[int] | None = None
-              ) -> list[Callable[[], list[LayerAnchors]]]:
+              ) -> tuple[list[Callable[[], list[LayerAnchors]]],
+                         Callable[[], list[LayerAnchors]] | None]:
     """Every layer's replica counts and anchors, for a fresh plan: makers of the options as
-    good on recovery as the best, the one to take first (``solver.layout`` takes the next
-    where the first one's other layers do not balance as its most fragile layer does).
+    good on recovery as the best, the one to take first (``filled`` takes the next where
+    the first one's other layers do not balance as its most fragile layer does); and where
+    the second search's choice was taken (``_Shape.template``), a maker of the first
+    search's, to fill where none of those balances.
+
+    Both searches weigh an option by its most fragile layer, which stands for every layer
+    where layers differ only in which expert is hot. Where their loads differ in shape, an
+    evenly spread structure can fill every layer far worse than its most fragile one: 768
+    GPUs, zipf 1.2-1.8 differing per layer, the second search's options filled to 1.81
+    (their most fragile layer 1.06), the first search's choice to 1.14 (EPLB-style 1.15).
 
     With ``loads``, the allocation formula's counts are tried as given and evened out
     (``allocation.even_out``), and where neither balances, as the fill trades them
@@ -164,10 +184,13 @@ def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     """
     shape = _Shape(layers, slots, loads, ranks_per_node)
     shape.template()
-    return [lambda index=index, weights=weights, probe=probe, template=template:
-            align(shape.variants[index], template, slots, weights, weights[probe],
-                  shape.largest)
-            for index, weights, probe, template in shape.alternatives()]
+
+    def maker(index, weights, probe, template):
+        return lambda: align(shape.variants[index], template, slots, weights, weights[probe],
+                             shape.largest)
+
+    return ([maker(*choice) for choice in shape.alternatives()],
+            shape.fallback and maker(*shape.fallback))
 
 
 def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
@@ -176,11 +199,12 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
                 previous: Sequence[Sequence[int]],
                 holders: Sequence[Sequence[int]],
                 before: Sequence[Sequence[int]], spread: int | None = None
-                ) -> list[tuple[Callable[[], list[LayerAnchors]], bool]]:
+                ) -> tuple[list[tuple[Callable[[], list[LayerAnchors]], bool]],
+                           tuple[Callable[[], list[LayerAnchors]], bool] | None]:
     """Every layer's replica counts and anchors for a re-plan, and whether they are fresh
     (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
     repaired on the nodes themselves: the options as good on recovery as the best, as
-    makers, the one to take first (as ``structure``'s).
+    makers, the one to take first (as ``structure``'s); and the rescue, as ``structure``'s.
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
@@ -221,7 +245,7 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         repaired[index] = mend(replicas, weights)
         if (not any(model_key(repaired[index], n, REPLAN_FAILURES))
                 and shape.balance_of(repaired[index][probe], probe) <= BALANCE_TARGET):
-            return [(lambda kept=repaired[index]: kept, False)]
+            return [(lambda kept=repaired[index]: kept, False)], None
     index, weights, probe, template = shape.template(spread_only=spread is not None)
     replicas = shape.variants[index]
     if index not in repaired:  # counts the fill traded to (``_Shape.template``)
@@ -246,7 +270,8 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         options.append((cores_key(choice[3], n, shape.k), 2,
                         lambda choice=choice: shape.balance_of(choice[3], choice[2]),
                         (fresh(*choice), True)))
-    return _ranked(options, n, REPLAN_FAILURES, near=spread is not None)
+    return (_ranked(options, n, REPLAN_FAILURES, near=spread is not None),
+            shape.fallback and (fresh(*shape.fallback), True))
 
 
 class _Shape:
@@ -276,6 +301,8 @@ class _Shape:
         self.filled_options: dict[tuple, tuple] = {}  # (key, trade) -> ``option``
         self.traded_counts: dict[tuple[int, int], list[int]] = {}  # key -> ``traded``
         self.alike_layers: dict[int, bool] = {}  # variant -> ``uniform``
+        # The first search's choice, where ``template`` took the second's.
+        self.fallback: tuple | None = None
 
     def weighed_variant(self, index: int):
         """``weighed`` of variant ``index`` (computed once)."""
@@ -405,6 +432,7 @@ class _Shape:
         evenly, which the second search chose), the second search alone: 256 GPUs after
         losing 4 of 32 nodes, the same re-plans in a fifth less time.
         """
+        self.fallback = None
         if spread_only and self.trade:
             self.spreading = True
             self.raised_floor()
@@ -418,6 +446,7 @@ class _Shape:
         second, spread_balance = self.search()
         if spread_balance < balance or (spread_balance <= BALANCED_ENOUGH * balance
                                         and self.recovers_better(second, first)):
+            self.fallback = first
             return second
         self.spreading, self.options = False, searched
         return first

@@ -1,8 +1,10 @@
 """The placement solver: from nodes and expert loads to a validated plan, and re-plans."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
 
 import numpy as np
 
@@ -14,8 +16,8 @@ from .anchor_search import largest_core
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, busiest_rank, fill_counts,
                       first_balanced)
 from .carry import carry
-from .mro import (REPLAN_FAILURES, mro, place_anchored, place_toward_holders, restructure,
-                  structure)
+from .mro import (REPLAN_FAILURES, filled, mro, place_anchored, place_toward_holders,
+                  restructure)
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, count_cube, validate
 from .recovery import cube_presence, fatal_counts, masks_of, minimal_masks, recovery_table
@@ -91,12 +93,7 @@ def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: i
     slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
     if policy != "mro":
         return ordered, replicas, place(policy, replicas, slots)
-    weights = loads if loads is not None else [[1.0] * experts] * layers
-    _, placements = first_balanced(
-        [lambda make=make: (None, place_anchored(make(), slots, weights, gpus, None,
-                                                 trade=loads is not None))
-         for make in structure(replicas, slots, loads, gpus)], weights, gpus, slots,
-        fresh=True)
+    placements = filled(replicas, slots, loads, gpus)
     return ordered, fill_counts(placements, experts).tolist(), placements
 
 
@@ -154,7 +151,8 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]
                     ) -> tuple[list[list[int]], int | None]:
     """Per layer and expert: its core in ``old`` (anchors.py) as a mask of positions in
     ``ordered``, or 0 when a node of that core is gone; and the size of those cores where
-    ``old`` was spread evenly (its cores all sets of ``anchors.even_cover``), else None."""
+    ``old`` was spread evenly (its cores all sets of ``anchors.even_cover``, together on
+    every node), else None."""
     anchors = anchors_of_presence((old.count_cube > 0).transpose(0, 2, 1),
                                   [layer.replicas for layer in old.layers],
                                   largest_core(len(ordered)))
@@ -166,7 +164,10 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]
                            if all(name in position for name in names) else 0)
     cores = set(translate) - {0}
     size = min((c.bit_count() for c in cores), default=0)
-    even = size and cores <= set(even_cover_masks(len(old.nodes), size))
+    # Spread over every node: MRO's recovery-best structure may also use only sets of
+    # ``even_cover`` (pairs of neighbours), on a few nodes (96 nodes: 8 pairs).
+    even = (size and cores <= set(even_cover_masks(len(old.nodes), size))
+            and reduce(operator.or_, cores) == (1 << len(old.nodes)) - 1)
     return [[translate[c] for c in a.cores] for a in anchors], size if even else None
 
 
@@ -240,8 +241,8 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
     every = masks_of((references > 0).transpose(0, 2, 1).reshape(-1, len(ordered)))
     holders = [every[i:i + old.experts] for i in range(0, len(every), old.experts)]
     previous, spread = surviving_cores(old, ordered)
-    options = restructure(replicas, slots, loads, gpus, previous, holders,
-                          [layer.replicas for layer in old.layers], spread)
+    options, rescue = restructure(replicas, slots, loads, gpus, previous, holders,
+                                  [layer.replicas for layer in old.layers], spread)
     weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
 
     def fill(make, fresh):
@@ -259,7 +260,8 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
     # later option moves more (after losing one of 128 nodes, zipf 1.5 loads: 18,386
     # replicas for 1.063 against 696 for 1.064).
     return first_balanced([lambda option=option: fill(*option) for option in options],
-                          weights, gpus, slots, BALANCED_ENOUGH)
+                          weights, gpus, slots, BALANCED_ENOUGH,
+                          rescue=rescue and (lambda: fill(*rescue)))
 
 
 def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:

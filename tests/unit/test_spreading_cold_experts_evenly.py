@@ -142,6 +142,23 @@ def test_a_plan_spread_evenly_is_repaired_evenly_after_a_loss(plan, lost):
     assert result.migration.recoverable
 
 
+def test_a_recovery_best_plan_on_pairs_of_neighbours_is_not_taken_for_spread():
+    # 12 nodes x 2 GPUs x 2 slots, 16 experts, zipf 1.5: MRO's structure anchors the cold
+    # experts on 4 pairs of neighbours, sets of the even cover too, but on 8 of the nodes.
+    nodes = [NodeSpec(f"node-{i:02d}", 2, 2, zone=f"zone-{i % 4}") for i in range(12)]
+    loads = [[1 / ((e + l) % 16 + 1) ** 1.5 for e in range(16)] for l in range(2)]
+    plan = solver.plan_job(nodes, 16, 2, 2, "mro", loads, max_failures=0)
+    cores = {c for a in anchors_of_presence((plan.count_cube > 0).transpose(0, 2, 1),
+                                            [l.replicas for l in plan.layers])
+             for c in a.cores if c}
+    pairs = {frozenset(s) for s in even_cover(12, 2)}
+    assert {frozenset(nodes_of(c)) for c in cores} <= pairs
+    assert len({i for c in cores for i in nodes_of(c)}) < 12
+    survivors = nodes[:-1]
+    _, spread = solver.surviving_cores(plan, solver._order(survivors, 16, 2))
+    assert spread is None
+
+
 def test_a_replan_takes_the_option_that_moves_less_among_balances_alike():
     options = [((0, 0), 2, 1.052, "fresh"), ((0, 0), 0, 1.06, "kept")]
     assert mro._ranked(options, 8, 2)[0] == "kept"  # within 1% of the best: alike
