@@ -199,12 +199,13 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
                 previous: Sequence[Sequence[int]],
                 holders: Sequence[Sequence[int]],
                 before: Sequence[Sequence[int]], spread: int | None = None
-                ) -> tuple[list[tuple[Callable[[], list[LayerAnchors]], bool]],
-                           tuple[Callable[[], list[LayerAnchors]], bool] | None]:
-    """Every layer's replica counts and anchors for a re-plan, and whether they are fresh
+                ) -> tuple[list[tuple[Callable[[], list[LayerAnchors]], bool, float]],
+                           tuple[Callable[[], list[LayerAnchors]], bool, float] | None]:
+    """Every layer's replica counts and anchors for a re-plan, whether they are fresh
     (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
-    repaired on the nodes themselves: the options as good on recovery as the best, as
-    makers, the one to take first (as ``structure``'s); and the rescue, as ``structure``'s.
+    repaired on the nodes themselves, and the balance of their most fragile layer filled
+    alone: the options as good on recovery as the best, as makers, the one to take first
+    (as ``structure``'s); and the rescue, as ``structure``'s.
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
@@ -248,9 +249,10 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
                         key=lambda i: changed_from(shape.variants[i])):
         weights, probe = shape.weighed_variant(index)
         repaired[index] = mend(shape.variants[index], weights)
-        if (not any(model_key(repaired[index], n, REPLAN_FAILURES))
-                and shape.balance_of(repaired[index][probe], probe) <= BALANCE_TARGET):
-            return [(lambda kept=repaired[index]: kept, False)], None
+        if not any(model_key(repaired[index], n, REPLAN_FAILURES)):
+            balance = shape.balance_of(repaired[index][probe], probe)
+            if balance <= BALANCE_TARGET:
+                return [(lambda kept=repaired[index]: kept, False, balance)], None
     index, weights, _, _ = shape.template(spread_only=spread is not None)
     if index not in repaired:  # counts the fill traded to (``_Shape.template``)
         repaired[index] = mend(shape.variants[index], weights)
@@ -258,6 +260,16 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     def fresh(index, weights, probe, template):
         return lambda: align(shape.variants[index], template, slots, weights, weights[probe],
                              shape.largest)
+
+    # Each option's most fragile layer balance, as ``_ranked`` measures it: what its fill
+    # is held against (``balance.first_balanced``'s ``bounds``).
+    measured: dict[int, float] = {}
+
+    def measuring(balance, value):
+        def measure() -> float:
+            measured[id(value)] = worst = balance()
+            return worst
+        return measure
 
     options = []
     for index, kept in repaired.items():
@@ -280,8 +292,12 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         options.append((cores_key(choice[3], n, shape.k), 2,
                         lambda choice=choice: shape.balance_of(choice[3], choice[2]),
                         (fresh(*choice), True)))
-    return (_ranked(options, n, REPLAN_FAILURES, near=spread is not None),
-            shape.fallback and (fresh(*shape.fallback), True))
+    options = [(key, moves, measuring(balance, value), value)
+               for key, moves, balance, value in options]
+    ranked = _ranked(options, n, REPLAN_FAILURES, near=spread is not None)
+    rescue = shape.fallback and (fresh(*shape.fallback), True,
+                                 shape.balance_of(shape.fallback[3], shape.fallback[2]))
+    return [(*value, measured[id(value)]) for value in ranked], rescue
 
 
 class _Shape:

@@ -259,9 +259,10 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
     # Balances within BALANCED_ENOUGH are alike here, as ``mro.restructure`` ranks them: a
     # later option moves more (after losing one of 128 nodes, zipf 1.5 loads: 18,386
     # replicas for 1.063 against 696 for 1.064).
-    return first_balanced([lambda option=option: fill(*option) for option in options],
+    return first_balanced([lambda option=option: fill(*option[:2]) for option in options],
                           weights, gpus, slots, BALANCED_ENOUGH,
-                          rescue=rescue and (lambda: fill(*rescue)))
+                          rescue=rescue and (lambda: fill(*rescue[:2])),
+                          bounds=[o[2] for o in options] + ([rescue[2]] if rescue else []))
 
 
 def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:

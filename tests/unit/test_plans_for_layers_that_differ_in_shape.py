@@ -104,6 +104,22 @@ def test_the_rescue_is_filled_after_the_window():
     assert made_from == "rescue"
 
 
+@pytest.mark.parametrize("work, rescue_bound, made", [
+    (20, 9.75, [0, 2]), (20, 1.0, [0, 2, "rescue"]), (21 * balance.MOST_FILLS, 9.75,
+                                                      [0, 1, 2, "rescue"])])
+def test_a_re_plan_skips_costly_fills_whose_bound_is_out_of_reach(monkeypatch, work,
+                                                                   rescue_bound, made):
+    monkeypatch.setattr(balance, "FILL_WORK", work)  # 20 slot-layers a fill
+    calls = []
+    fill = recorded(calls, UNBALANCED)  # 50 / 5.1 = 9.8 times the mean
+    rescue = recorded(calls, UNBALANCED)("rescue")
+    # A later fill must be more balanced by more than 1%: a bound of 9.8 cannot be, 9.0 can.
+    balance.first_balanced([fill(i) for i in range(4)], LOADS_APART, [1] * 10, [1] * 10,
+                           balance.BALANCED_ENOUGH, rescue=rescue,
+                           bounds=[1.0, 9.8, 9.0, 1.0, rescue_bound])
+    assert calls == made
+
+
 # 16 nodes x 4 GPUs x 2 slots, 16 experts, 4 layers, zipf 1.0-1.6: the second search's
 # evenly spread options balance the most fragile layer better than the first search's
 # choice, but fill every layer worse (1.17 against 1.10).
