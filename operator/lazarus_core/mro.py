@@ -599,11 +599,11 @@ class _Shape:
     def spread_at_once(self):
         """The second search's choice among its first options (``untraded``), where one
         balances and it recovers better than the first search's first options (no worse
-        at any failure count, better at some): the first search's trading keeps the
-        anchors of the options it trades (``count_trading.py``), and where it balanced too
-        the plan would recover worse. At equal recovery the first search goes on: its
-        trading may balance better still (8 nodes x 8 slots, E = 16, zipf 0.5: 1.005
-        against the spread option's 1.014)."""
+        at any failure count, better at some): the plan is then within the target and
+        recovers better than anything the first search starts from, and what both
+        searches' trading would look for is balance, which it has. At equal recovery the
+        first search goes on: its trading may balance better still (8 nodes x 8 slots,
+        E = 16, zipf 0.5: 1.005 against the spread option's 1.014)."""
         first = [o for o, _ in self.untraded().values()]
         if self.settled(first):
             return None
