@@ -524,7 +524,7 @@ class _Shape:
         self.options = [o for o, _ in options.values()]
         if not self.trade or self.settled(self.options):
             return self.pick()
-        for i in self.seeds if self.spreading else [i for i in self.seeds if i != self.raised]:
+        for i in self.searched(self.seeds):
             most = max(Counter(c for c in self.structure_of((i, 0)).cores if c).values(),
                        default=1)
             options.update({(i, s): self.option((i, s), trade=False)
@@ -583,10 +583,15 @@ class _Shape:
         self.options = checked or list(valid().values())
         return self.pick()
 
+    def searched(self, indexes) -> list[int]:
+        """The variants of ``indexes`` this search weighs: the raised floor's is the second
+        search's only (``spreading``)."""
+        return [i for i in indexes if self.spreading or i != self.raised]
+
     def untraded(self) -> dict[tuple[int, int], tuple]:
         """``search``'s first options: every variant's recovery-best structure (and, when
         ``spreading``, its even one), filled without trading."""
-        variants = [i for i in range(len(self.variants)) if self.spreading or i != self.raised]
+        variants = self.searched(range(len(self.variants)))
         options = {(i, 0): self.option((i, 0), trade=False) for i in variants}
         if self.reference is None:
             # What MRO alone gives: the formula's counts on their recovery-best structure.
@@ -607,16 +612,15 @@ class _Shape:
         first = [o for o, _ in self.untraded().values()]
         if self.settled(first):
             return None
-        self.options = first
-        fallback = self.pick()[0]
+        fallback = _variant(self.ranked(first)[0])
         self.spreading = True
         self.raised_floor()
         self.options = [o for o, _ in self.untraded().values()]
         if self.settled(self.options):
             choice = self.ranked(self.options)[0]
-            key = cores_key(choice[3], len(self.slots), self.k)
-            best = min(o[0] for o in first)
             n = len(self.slots)
+            key = cores_key(choice[3], n, self.k)
+            best = min(o[0] for o in first)
             if _within(tuple(map(min, key, best)), key, n) and _better_key(key, best, n):
                 self.fallback = fallback
                 return _variant(choice)
@@ -716,9 +720,10 @@ def _ranked(options, num_nodes: int, depth: int | None = None, admissible=None,
     1.5 loads: 18,328 replicas moved for 1.063 against 696 for 1.064). With ``near`` (a
     re-plan of a plan spread evenly), where none has ranks within ``BALANCE_TARGET``, only
     the options within ``BALANCE_TARGET`` times the best balance are taken, and of those
-    only the kind that moves least (its integer part: kept, dealt anew, fresh): rebuilding the structure to gain a few percent that
-    still misses the target is not worth moving most of the replicas (after losing 4 of 32
-    nodes with 256 experts: 37,508 moved for 1.085 against 13,168 for 1.088)."""
+    only the kind that moves least (the integer part of moves: kept, dealt anew, fresh):
+    rebuilding the structure to gain a few percent that still misses the target is not
+    worth moving most of the replicas (after losing 4 of 32 nodes with 256 experts: 37,508
+    moved for 1.085 against 13,168 for 1.088)."""
     options = [(o[0][:depth], *o[1:]) for o in options]
     best = min(o[0] for o in options)
     scored = []
