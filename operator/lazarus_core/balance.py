@@ -61,14 +61,17 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
                 weights: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
                 slots_per_rank: Sequence[int],
                 references: Sequence[np.ndarray] | None = None,
-                trade: bool = False) -> np.ndarray:
+                trade: bool = False, alone: bool = False) -> np.ndarray:
     """Every layer's placement, [layer, slot]: the expert id in each slot, node by node in
     position order, rank by rank within a node (``plan.split_slots`` makes lists of it).
 
     ``anchored`` has one row (layer, node, expert) per anchored replica, and no
     (layer, node, expert) twice; ``references[l][node, e]`` are the replicas of e that the
-    node at that position holds already. The layers are independent; doing them in one
-    batch saves the per-call cost of the array operations.
+    node at that position holds already. With ``trade``, layers still out of balance trade
+    replica counts, sharing ``count_trading.FILL_EVALUATIONS`` (with ``alone``, each with
+    a lone layer's budget, as the most fragile layer was traded to rank the options). The
+    layers are independent; doing them in one batch saves the per-call cost of the array
+    operations.
     """
     r = np.asarray(replicas, dtype=np.int64)  # [layer, expert]
     w = np.asarray(weights, dtype=np.float64)
@@ -197,7 +200,7 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
             balance = layer_balance(placed[over], t[over], g, s)
             rest = over[(over != lead) & (balance > BALANCE_TARGET)
                         & (balance > balance[over == lead] + 1e-12)]
-        budget = layer_budget(len(rest))
+        budget = MAX_EVALUATIONS if alone else layer_budget(len(rest))
         for li in rest:
             mine = traded(li, own[li], budget)
             if references is None:  # it may have borrowed a better placement than this
@@ -480,8 +483,9 @@ def _take_in_turn(amount: np.ndarray, group: np.ndarray, limit: np.ndarray) -> n
 
 def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loads,
                    gpus: Sequence[int], slots: Sequence[int], alike: float = 1.0,
-                   fresh: bool = False, rescue: Callable[[], tuple[object, np.ndarray]] | None
-                   = None, bounds: Sequence[float] | None = None) -> tuple[object, np.ndarray]:
+                   fresh: bool = False,
+                   rescues: Sequence[Callable[[], tuple[object, np.ndarray]]] = (),
+                   bounds: Sequence[float] | None = None) -> tuple[object, np.ndarray]:
     """The first of ``fills`` (makers of (what it was made from, [layer, slot] fill), in the
     order to take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the
     most balanced of the first ``FILLS_TRIED`` (for a ``fresh`` plan, of as many more as
@@ -489,12 +493,13 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     layer may not balance as that one does. A later fill counts as more balanced only by
     more than a factor ``alike`` (a re-plan's come in the order of what they move, least
     first). A lone fill is taken as it is (nothing to fall back on). Where none of them
-    balances, ``rescue`` is filled last, and taken where it is more balanced by more than
-    ``BALANCED_ENOUGH`` too (``mro.structure``: the options were chosen over it for
-    recovery or for a better balanced most fragile layer).
+    balances, ``rescues`` are filled last, in turn, each taken where it is more balanced
+    by more than ``BALANCED_ENOUGH`` too (``mro.structure``: the options were chosen over
+    it for recovery or for a better balanced most fragile layer; ``mro.restructure``: the
+    repair that moves least before the first search's choice made afresh).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
-    alone, the rescue's last: a re-plan's layers do not borrow, so a fill's most fragile
+    alone, the rescues' last: a re-plan's layers do not borrow, so a fill's most fragile
     layer seldom balances better in it. Where fills are costly (more slot-layers than
     ``FILL_WORK`` shares out over ``MOST_FILLS``), a fill whose bound could not be more
     balanced than the best so far by the factor it needs is not made (1,024 GPUs, zipf
@@ -502,7 +507,7 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     against a first fill of 1.062). Cheap fills are all made: the bound leaves out the
     replicas the nodes keep, and with them a fill has come out better (3 of 142 small
     re-plans, e.g. 1.242 against 1.264)."""
-    if len(fills) == 1 and rescue is None:
+    if len(fills) == 1 and not rescues:
         return fills[0]()
     per_rank = [c // g for c, g in zip(slots, gpus)]
     best = None
@@ -530,8 +535,10 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
                         MOST_FILLS)
         if balanced(made_from, placements):
             return best[1], best[2]
-    if rescue is not None and not out_of_reach(len(fills), max(alike, BALANCED_ENOUGH)):
-        balanced(*rescue(), alike=max(alike, BALANCED_ENOUGH))
+    alike = max(alike, BALANCED_ENOUGH)
+    for i, rescue in enumerate(rescues, start=len(fills)):
+        if not out_of_reach(i, alike) and balanced(*rescue(), alike=alike):
+            break
     return best[1], best[2]
 
 

@@ -83,35 +83,38 @@ def filled(layers: Sequence[Sequence[int]], slots: Sequence[int],
 
     makers, rescue = structure(layers, slots, loads, ranks_per_node)
     _, placements = first_balanced([fill(make) for make in makers], weights, g, slots,
-                                   fresh=True, rescue=rescue and fill(rescue))
+                                   fresh=True, rescues=[fill(rescue)] if rescue else [])
     return placements
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],
                    loads: Sequence[Sequence[float]], ranks_per_node: Sequence[int] | None,
-                   references: Sequence[np.ndarray] | None, trade: bool = False) -> np.ndarray:
+                   references: Sequence[np.ndarray] | None, trade: bool = False,
+                   alone: bool = False) -> np.ndarray:
     """Each layer's free replicas placed around its anchors to balance the ranks, as
     [layer, slot] (``balance.fill_layers``); with ``trade``, a layer still out of balance
-    trades replica counts (read them back from the placement).
+    trades replica counts (read them back from the placement), with ``alone`` as much as a
+    lone layer may.
 
     ``references[l][node, e]`` are the replicas a node already holds, kept where possible.
     """
     g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
     weights = per_replica([a.replicas for a in anchors], loads)
     return fill_layers([a.replicas for a in anchors], anchored_replicas(anchors), weights,
-                       g, [c // k for c, k in zip(slots, g)], references, trade)
+                       g, [c // k for c, k in zip(slots, g)], references, trade, alone)
 
 
 def place_toward_holders(anchors: Sequence[LayerAnchors], slots: Sequence[int],
                          loads: Sequence[Sequence[float]], ranks_per_node: Sequence[int],
-                         references: np.ndarray, trade: bool) -> np.ndarray:
+                         references: np.ndarray, trade: bool, alone: bool = False
+                         ) -> np.ndarray:
     """``place_anchored`` of a fresh structure on a re-plan (``references[l][node, e]``:
     what the node now at each position holds): every layer filled as built and, where its
     experts trade equal cores towards the nodes that hold them (``anchors.toward_holders``),
     filled again so traded; the traded fill is kept where it copies no more replicas and
     its ranks stay within ``BALANCE_TARGET`` or no worse than as built."""
     weights = per_replica([a.replicas for a in anchors], loads).tolist()
-    built = place_anchored(anchors, slots, loads, ranks_per_node, references, trade)
+    built = place_anchored(anchors, slots, loads, ranks_per_node, references, trade, alone)
     nearer = [toward_holders(a, w, h, slots, BALANCE_TARGET)
               for a, w, h in zip(anchors, weights, references)]
     changed = [li for li, (a, b) in enumerate(zip(nearer, anchors)) if a != b]
@@ -120,7 +123,7 @@ def place_toward_holders(anchors: Sequence[LayerAnchors], slots: Sequence[int],
     # Only the layers whose anchors changed are filled again.
     layer_loads, held = [loads[li] for li in changed], np.asarray(references)[changed]
     traded = place_anchored([nearer[li] for li in changed], slots, layer_loads,
-                            ranks_per_node, held, trade)
+                            ranks_per_node, held, trade, alone)
     g = list(ranks_per_node)
     per_rank = [c // k for c, k in zip(slots, g)]
     keep = ((fill_copies(traded, held, slots) <= fill_copies(built[changed], held, slots))
@@ -200,12 +203,14 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
                 holders: Sequence[Sequence[int]],
                 before: Sequence[Sequence[int]], spread: int | None = None
                 ) -> tuple[list[tuple[Callable[[], list[LayerAnchors]], bool, float]],
-                           tuple[Callable[[], list[LayerAnchors]], bool, float] | None]:
+                           list[tuple[Callable[[], list[LayerAnchors]], bool, float]]]:
     """Every layer's replica counts and anchors for a re-plan, whether they are fresh
     (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
     repaired on the nodes themselves, and the balance of their most fragile layer filled
     alone: the options as good on recovery as the best, as makers, the one to take first
-    (as ``structure``'s); and the rescue, as ``structure``'s.
+    (as ``structure``'s); and the rescues: ``structure``'s rescue, made afresh, and before
+    it the repair that recovers as well and moves least (``_ranked``), where that is
+    another.
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
@@ -252,7 +257,7 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         if not any(model_key(repaired[index], n, REPLAN_FAILURES)):
             balance = shape.balance_of(repaired[index][probe], probe)
             if balance <= BALANCE_TARGET:
-                return [(lambda kept=repaired[index]: kept, False, balance)], None
+                return [(lambda kept=repaired[index]: kept, False, balance)], []
     index, weights, _, _ = shape.template(spread_only=spread is not None)
     if index not in repaired:  # counts the fill traded to (``_Shape.template``)
         repaired[index] = mend(shape.variants[index], weights)
@@ -267,11 +272,12 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
 
     def measuring(balance, value):
         def measure() -> float:
-            measured[id(value)] = worst = balance()
-            return worst
+            if id(value) not in measured:
+                measured[id(value)] = balance()
+            return measured[id(value)]
         return measure
 
-    options = []
+    repairs = []
     for index, kept in repaired.items():
         weights, probe = shape.weighed_variant(index)
         key = model_key(kept, n, REPLAN_FAILURES)
@@ -281,23 +287,35 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
 
         # Between balances alike, the counts that change less move fewer replicas.
         nearer = changed_from(shape.variants[index]) / (1 + total)
-        options += [
+        repairs += [
             (key, nearer, lambda kept=kept, probe=probe: shape.balance_of(kept[probe], probe),
              (lambda kept=kept: kept, False)),
             (key, 1 + nearer, lambda kept=kept, weights=weights, probe=probe: shape.balance_of(
                 balance_within(kept[probe], weights[probe], n), probe), (dealt, False))]
     # Aligning adds cores to the template's, so the template's counts stand for fresh
     # anchors' until they are needed.
-    for choice in shape.alternatives():
-        options.append((cores_key(choice[3], n, shape.k), 2,
-                        lambda choice=choice: shape.balance_of(choice[3], choice[2]),
-                        (fresh(*choice), True)))
-    options = [(key, moves, measuring(balance, value), value)
-               for key, moves, balance, value in options]
+    def fresh_option(choice):
+        return (cores_key(choice[3], n, shape.k), 2,
+                lambda: shape.balance_of(choice[3], choice[2]), (fresh(*choice), True))
+
+    repairs = [(key, moves, measuring(balance, value), value)
+               for key, moves, balance, value in repairs]
+    options = repairs + [(key, moves, measuring(balance, value), value) for key, moves,
+                         balance, value in map(fresh_option, shape.alternatives())]
     ranked = _ranked(options, n, REPLAN_FAILURES, near=spread is not None)
-    rescue = shape.fallback and (fresh(*shape.fallback), True,
-                                 shape.balance_of(shape.fallback[3], shape.fallback[2]))
-    return [(*value, measured[id(value)]) for value in ranked], rescue
+    rescues = []
+    if shape.fallback:
+        # The repair that recovers as well as the first search's choice and moves least
+        # comes before it: where the plan before was that choice, its repair moves a
+        # fraction of what the choice made afresh does.
+        key, moves, balance, value = fresh_option(shape.fallback)
+        fallback = (key, moves, measuring(balance, value), value)
+        fallback[2]()  # its bound, whether or not it ranks first
+        rescues = _ranked([fallback] + repairs, n, REPLAN_FAILURES)[:1]
+        if rescues[0] is not value:
+            rescues.append(value)
+    return ([(*value, measured[id(value)]) for value in ranked],
+            [(*value, measured[id(value)]) for value in rescues])
 
 
 class _Shape:

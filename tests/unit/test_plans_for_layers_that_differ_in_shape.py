@@ -11,24 +11,8 @@ import pytest
 from lazarus_core import balance, mro, solver
 from lazarus_core.balance import busiest_rank
 from lazarus_core.solver import plan_job, replan
-from lazarus_core.topology import NodeSpec
 
-
-def differing_loads(experts: int, layers: int, skew: float, seed: int) -> list[list[float]]:
-    """Per layer a zipf exponent within 0.3 of ``skew``, lognormal(0, 0.2) noise per expert
-    and a random order (rounded, so that the loads do not depend on float printing)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(layers):
-        exponent = max(skew + rng.uniform(-0.3, 0.3), 0.0)
-        t = rng.lognormal(0, 0.2, experts) / np.arange(1, experts + 1) ** exponent
-        out.append([round(float(x), 9) for x in rng.permutation(t)])
-    return out
-
-
-def nodes(n: int, gpus: int, slots_per_gpu: int) -> list[NodeSpec]:
-    return [NodeSpec(f"node-{i:02d}", gpus, slots_per_gpu, zone=f"zone-{i % 4}")
-            for i in range(n)]
+from layer_shapes import differing_loads, nodes
 
 
 def without_rescue(monkeypatch) -> None:
@@ -99,9 +83,21 @@ def test_the_rescue_is_filled_after_the_window():
     # 5 replicas of the hot expert: far better balanced than any fill of the window.
     rescue = recorded(calls, np.array([[0, 1] * 5, [0, 1] * 5]))("rescue")
     made_from, _ = balance.first_balanced([fill(i) for i in range(10)], LOADS_APART,
-                                          [1] * 10, [1] * 10, rescue=rescue)
+                                          [1] * 10, [1] * 10, rescues=[rescue])
     assert calls == [*range(balance.FILLS_TRIED), "rescue"]
     assert made_from == "rescue"
+
+
+def test_rescues_are_filled_in_turn_each_taken_only_where_better():
+    calls = []
+    fill = recorded(calls, UNBALANCED)
+    better = np.array([[0, 1] * 5, [0, 1] * 5])  # 50 / 5.1 / 5: 1.96 times the mean
+    made_from, _ = balance.first_balanced(
+        [fill(i) for i in range(4)], LOADS_APART, [1] * 10, [1] * 10,
+        balance.BALANCED_ENOUGH, rescues=[recorded(calls, better)("repair"),
+                                          recorded(calls, better)("afresh")])
+    assert calls == [*range(balance.FILLS_TRIED), "repair", "afresh"]
+    assert made_from == "repair"  # the later one is not more balanced by more than 1%
 
 
 @pytest.mark.parametrize("work, rescue_bound, made", [
@@ -115,7 +111,7 @@ def test_a_re_plan_skips_costly_fills_whose_bound_is_out_of_reach(monkeypatch, w
     rescue = recorded(calls, UNBALANCED)("rescue")
     # A later fill must be more balanced by more than 1%: a bound of 9.8 cannot be, 9.0 can.
     balance.first_balanced([fill(i) for i in range(4)], LOADS_APART, [1] * 10, [1] * 10,
-                           balance.BALANCED_ENOUGH, rescue=rescue,
+                           balance.BALANCED_ENOUGH, rescues=[rescue],
                            bounds=[1.0, 9.8, 9.0, 1.0, rescue_bound])
     assert calls == made
 
@@ -151,7 +147,7 @@ def test_a_re_plan_falls_back_on_the_first_search(monkeypatch, rescued):
     if not rescued:
         restructure = solver.restructure
         monkeypatch.setattr(solver, "restructure",
-                            lambda *a, **k: (restructure(*a, **k)[0], None))
+                            lambda *a, **k: (restructure(*a, **k)[0], []))
     survivors = [n for n in case["cluster"] if n.name != "node-13"]
     new = replan(plan, survivors, "NodeLost", {n.name for n in survivors}, case["loads"],
                  max_failures=0)
