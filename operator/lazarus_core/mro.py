@@ -24,8 +24,8 @@ from .anchor_search import best_anchors, cores_key, largest_core, scored_failure
 from .anchors import (LayerAnchors, align, anchor_evenly, anchor_greedily, anchored_replicas,
                       balance_within, repair, repair_evenly, toward_holders)
 from .allocation import allocate_many, even_out
-from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, fill_counts, fill_layers, filled_balance,
-                      first_balanced, layer_balance)
+from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, FILLS_TRIED, fill_counts, fill_layers,
+                      filled_balance, first_balanced, layer_balance)
 from .migration import fill_copies
 from .placement import Placement
 from .plan import split_slots
@@ -208,9 +208,10 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     (built on positions, to be assigned nodes: ``migration.map_anchors``) rather than
     repaired on the nodes themselves, and the balance of their most fragile layer filled
     alone: the options as good on recovery as the best, as makers, the one to take first
-    (as ``structure``'s); and the rescues: ``structure``'s rescue, made afresh, and before
-    it the repair that recovers as well and moves least (``_ranked``), where that is
-    another.
+    (as ``structure``'s); and the rescues, filled in turn after the window where none of it
+    balances: the repair that moves least where the window leaves it out, then
+    ``structure``'s rescue made afresh, and before it the repair that recovers as well and
+    ranks first with it (``_ranked``), where that is another.
 
     ``previous`` is each (layer, expert)'s core in the plan before, as a mask of these node
     positions (0 where it did not survive); ``holders`` the nodes that hold each
@@ -303,7 +304,15 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     options = repairs + [(key, moves, measuring(balance, value), value) for key, moves,
                          balance, value in map(fresh_option, shape.alternatives())]
     ranked = _ranked(options, n, REPLAN_FAILURES, near=spread is not None)
-    rescues = []
+    # The repair that moves least is filled, if not in the window then as the first
+    # rescue: the most fragile layers of variants of other counts are other layers, and
+    # where loads differ in shape from layer to layer, one variant's may promise 1.04 and
+    # fill every layer to 1.48 where the repair nearest the plan before fills to 1.11 (512
+    # GPUs, zipf 0.9-1.5 per layer, after losing 4 nodes).
+    least = min((o for o in repairs if any(o[3] is v for v in ranked)), key=lambda o: o[1],
+                default=None)
+    rescues = ([least[3]] if least and all(least[3] is not v for v in ranked[:FILLS_TRIED])
+               else [])
     if shape.fallback:
         # The repair that recovers as well as the first search's choice and moves least
         # comes before it: where the plan before was that choice, its repair moves a
@@ -311,8 +320,9 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         key, moves, balance, value = fresh_option(shape.fallback)
         fallback = (key, moves, measuring(balance, value), value)
         fallback[2]()  # its bound, whether or not it ranks first
-        rescues = _ranked([fallback] + repairs, n, REPLAN_FAILURES)[:1]
-        if rescues[0] is not value:
+        rescues += [v for v in _ranked([fallback] + repairs, n, REPLAN_FAILURES)[:1]
+                    if all(v is not r for r in rescues)]
+        if rescues[-1] is not value:
             rescues.append(value)
     return ([(*value, measured[id(value)]) for value in ranked],
             [(*value, measured[id(value)]) for value in rescues])

@@ -1,14 +1,15 @@
 """A re-plan gives the fill that moves least its full chance before rebuilding: its first
 fill trades every layer again with a lone layer's budget where it missed its bound (the
 most fragile layer filled alone) for want of trading, not of structure
-(``solver._restructured``); and where the options do not balance, the repair that
-recovers as well as the first search's choice is filled before that choice is made afresh
+(``solver._restructured``); the repair that moves least is filled, as a rescue where the
+window leaves it out; and where the options do not balance, the repair that recovers as
+well as the first search's choice is filled before that choice is made afresh
 (``mro.restructure``'s rescues)."""
 from __future__ import annotations
 
 import pytest
 
-from lazarus_core import count_trading, solver
+from lazarus_core import count_trading, mro, solver
 from lazarus_core.balance import busiest_rank
 from lazarus_core.solver import plan_job, replan
 
@@ -56,3 +57,17 @@ def test_the_repair_is_rescued_before_the_choice_made_afresh(monkeypatch, repair
         assert balance < 1.07 and moved < 50
     else:  # what the re-plan was before the repair was a rescue
         assert balance > 1.1 and moved > 80
+
+
+@pytest.mark.parametrize("rescued", [True, False])
+def test_the_repair_that_moves_least_is_filled_beyond_the_window(monkeypatch, rescued):
+    # 10 nodes x 4 GPUs x 3 slots, E = 16, 4 layers, zipf 1.2-1.8: the window's options
+    # promise more on their most fragile layers than they fill; the repair nearest the plan
+    # before ranks beyond the window and fills best.
+    if not rescued:  # as though every option were in the window
+        monkeypatch.setattr(mro, "FILLS_TRIED", 10**6)
+    balance, moved = re_plan(nodes(10, 4, 3), 16, differing_loads(16, 4, 1.5, 111563015))
+    if rescued:
+        assert balance < 1.11 and moved < 10
+    else:  # 1.158 with 18 moved
+        assert balance > 1.15 and moved > 15
