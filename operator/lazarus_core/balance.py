@@ -496,7 +496,8 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     balances, ``rescues`` are filled last, in turn, each taken where it is more balanced
     by more than ``BALANCED_ENOUGH`` too (``mro.structure``: the options were chosen over
     it for recovery or for a better balanced most fragile layer; ``mro.restructure``: the
-    repair that moves least before the first search's choice made afresh).
+    repair that moves least where the window left it out, and the first search's choice
+    made afresh after the repair that ranks first with it).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
     alone, the rescues' last: a re-plan's layers do not borrow, so a fill's most fragile

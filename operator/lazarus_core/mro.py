@@ -271,12 +271,13 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     # is held against (``balance.first_balanced``'s ``bounds``).
     measured: dict[int, float] = {}
 
-    def measuring(balance, value):
+    def measuring(key, moves, balance, value):
+        """The option with its balance measured once, when first asked for."""
         def measure() -> float:
             if id(value) not in measured:
                 measured[id(value)] = balance()
             return measured[id(value)]
-        return measure
+        return key, moves, measure, value
 
     repairs = []
     for index, kept in repaired.items():
@@ -299,10 +300,8 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         return (cores_key(choice[3], n, shape.k), 2,
                 lambda: shape.balance_of(choice[3], choice[2]), (fresh(*choice), True))
 
-    repairs = [(key, moves, measuring(balance, value), value)
-               for key, moves, balance, value in repairs]
-    options = repairs + [(key, moves, measuring(balance, value), value) for key, moves,
-                         balance, value in map(fresh_option, shape.alternatives())]
+    repairs = [measuring(*option) for option in repairs]
+    options = repairs + [measuring(*fresh_option(c)) for c in shape.alternatives()]
     ranked = _ranked(options, n, REPLAN_FAILURES, near=spread is not None)
     # The repair that moves least is filled, if not in the window then as the first
     # rescue: the most fragile layers of variants of other counts are other layers, and
@@ -314,11 +313,12 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     rescues = ([least[3]] if least and all(least[3] is not v for v in ranked[:FILLS_TRIED])
                else [])
     if shape.fallback:
-        # The repair that recovers as well as the first search's choice and moves least
-        # comes before it: where the plan before was that choice, its repair moves a
-        # fraction of what the choice made afresh does.
-        key, moves, balance, value = fresh_option(shape.fallback)
-        fallback = (key, moves, measuring(balance, value), value)
+        # The repair that ranks first beside the first search's choice (as good on
+        # recovery; then within BALANCE_TARGET, moving least) comes before it: where the
+        # plan before was that choice, its repair moves a fraction of what the choice made
+        # afresh does.
+        fallback = measuring(*fresh_option(shape.fallback))
+        value = fallback[3]
         fallback[2]()  # its bound, whether or not it ranks first
         rescues += [v for v in _ranked([fallback] + repairs, n, REPLAN_FAILURES)[:1]
                     if all(v is not r for r in rescues)]
