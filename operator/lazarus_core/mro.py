@@ -303,6 +303,13 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     repairs = [measuring(*option) for option in repairs]
     options = repairs + [measuring(*fresh_option(c)) for c in shape.alternatives()]
     ranked = _ranked(options, n, REPLAN_FAILURES, near=spread is not None)
+    rescues = []
+
+    def rescue(value) -> None:
+        """A rescue, unless the window or an earlier rescue fills it already."""
+        if all(value is not v for v in ranked[:FILLS_TRIED] + rescues):
+            rescues.append(value)
+
     # The repair that moves least is filled, if not in the window then as the first
     # rescue: the most fragile layers of variants of other counts are other layers, and
     # where loads differ in shape from layer to layer, one variant's may promise 1.04 and
@@ -310,8 +317,8 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
     # GPUs, zipf 0.9-1.5 per layer, after losing 4 nodes).
     least = min((o for o in repairs if any(o[3] is v for v in ranked)), key=lambda o: o[1],
                 default=None)
-    rescues = ([least[3]] if least and all(least[3] is not v for v in ranked[:FILLS_TRIED])
-               else [])
+    if least:
+        rescue(least[3])
     if shape.fallback:
         # The repair that ranks first beside the first search's choice (as good on
         # recovery; then within BALANCE_TARGET, moving least) comes before it: where the
@@ -320,10 +327,8 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
         fallback = measuring(*fresh_option(shape.fallback))
         value = fallback[3]
         fallback[2]()  # its bound, whether or not it ranks first
-        rescues += [v for v in _ranked([fallback] + repairs, n, REPLAN_FAILURES)[:1]
-                    if all(v is not r for r in rescues)]
-        if rescues[-1] is not value:
-            rescues.append(value)
+        rescue(_ranked([fallback] + repairs, n, REPLAN_FAILURES)[0])
+        rescue(value)
     return ([(*value, measured[id(value)]) for value in ranked],
             [(*value, measured[id(value)]) for value in rescues])
 
