@@ -485,44 +485,57 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
                    gpus: Sequence[int], slots: Sequence[int], alike: float = 1.0,
                    fresh: bool = False,
                    rescues: Sequence[Callable[[], tuple[object, np.ndarray]]] = (),
-                   bounds: Sequence[float] | None = None) -> tuple[object, np.ndarray]:
+                   bounds: Sequence[float] | None = None,
+                   moved: Callable[[object, np.ndarray], int] | None = None
+                   ) -> tuple[object, np.ndarray]:
     """The first of ``fills`` (makers of (what it was made from, [layer, slot] fill), in the
     order to take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the
     most balanced of the first ``FILLS_TRIED`` (for a ``fresh`` plan, of as many more as
     ``FILL_WORK`` allows): the options are ranked on their most fragile layer, and another
     layer may not balance as that one does. A later fill counts as more balanced only by
-    more than a factor ``alike`` (a re-plan's come in the order of what they move, least
-    first). A lone fill is taken as it is (nothing to fall back on). Where none of them
-    balances, ``rescues`` are filled last, in turn, each taken where it is more balanced
-    by more than ``BALANCED_ENOUGH`` too (``mro.structure``: the options were chosen over
-    it for recovery or for a better balanced most fragile layer; ``mro.restructure``: the
-    repair that moves least where the window left it out, and the first search's choice
-    made afresh after the repair that ranks first with it).
+    more than a factor ``alike``. A lone fill is taken as it is (nothing to fall back on).
+    Where none of them balances, ``rescues`` are filled last, in turn, each taken where it
+    is more balanced by more than ``BALANCED_ENOUGH`` too (``mro.structure``: the options
+    were chosen over it for recovery or for a better balanced most fragile layer;
+    ``mro.restructure``: the repair that moves least where the window left it out, and the
+    first search's choice made afresh after the repair that ranks first with it).
+
+    A re-plan's fills are weighed on what they move as well (``moved``: the replicas a
+    fill's nodes must receive): of those within ``alike`` of the most balanced, the one
+    that moves least (``least_moving``). Its options come in the order of what they promise
+    to move, but a fill's counts and dealing may move more or less than its anchors did
+    (20 nodes x 2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80
+    replicas moved where another fill as balanced moves 54).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
     alone, the rescues' last: a re-plan's layers do not borrow, so a fill's most fragile
     layer seldom balances better in it. Where fills are costly (more slot-layers than
     ``FILL_WORK`` shares out over ``MOST_FILLS``), a fill whose bound could not be more
-    balanced than the best so far by the factor it needs is not made (1,024 GPUs, zipf
-    1.5, after losing one node: fills of 1.2, 1.8 and 5.2 s whose bounds were 1.060-1.063,
-    against a first fill of 1.062). Cheap fills are all made: the bound leaves out the
-    replicas the nodes keep, and with them a fill has come out better (3 of 142 small
-    re-plans, e.g. 1.242 against 1.264)."""
+    balanced than the best so far by the factor it needs is not made, nor weighed on what
+    it moves (1,024 GPUs, zipf 1.5, after losing one node: fills of 1.2, 1.8 and 5.2 s
+    whose bounds were 1.060-1.063, against a first fill of 1.062). Cheap fills are all
+    made: the bound leaves out the replicas the nodes keep, and with them a fill has come
+    out better (3 of 142 small re-plans, e.g. 1.242 against 1.264)."""
     if len(fills) == 1 and not rescues:
         return fills[0]()
     per_rank = [c // g for c, g in zip(slots, gpus)]
-    best = None
+    made = []  # a re-plan's fills: (balance, moves, what it was made from, fill)
+    best = floor = None  # the fill to take; the least balance of any made
 
     def balanced(made_from, placements, alike=alike) -> bool:
-        nonlocal best
+        nonlocal best, floor
         worst = filled_balance(placements, loads, gpus, per_rank)
-        if best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
-            best = (max(worst, BALANCE_TARGET), made_from, placements)
+        floor = worst if floor is None else min(floor, worst)
+        if moved is not None:
+            made.append((worst, moved(made_from, placements), made_from, placements))
+            best = least_moving(made, alike)
+        elif best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
+            best = (max(worst, BALANCE_TARGET), 0, made_from, placements)
         return worst <= BALANCE_TARGET
 
     def out_of_reach(i: int, alike: float = alike) -> bool:
-        return (bounds is not None and best is not None and bounds[i] * alike >= best[0]
-                and sum(slots) * len(best[2]) * MOST_FILLS >= FILL_WORK)
+        return (bounds is not None and floor is not None and bounds[i] * alike >= floor
+                and sum(slots) * len(best[3]) * MOST_FILLS >= FILL_WORK)
 
     tried = FILLS_TRIED
     for i, make in enumerate(fills):
@@ -535,12 +548,21 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
             tried = min(max(FILLS_TRIED, FILL_WORK // (sum(slots) * len(placements))),
                         MOST_FILLS)
         if balanced(made_from, placements):
-            return best[1], best[2]
+            return best[2], best[3]
     alike = max(alike, BALANCED_ENOUGH)
     for i, rescue in enumerate(rescues, start=len(fills)):
         if not out_of_reach(i, alike) and balanced(*rescue(), alike=alike):
             break
-    return best[1], best[2]
+    return best[2], best[3]
+
+
+def least_moving(made: Sequence[tuple], alike: float) -> tuple:
+    """Of fills (balance, moves, ...), those whose every layer has its ranks within
+    ``BALANCE_TARGET`` where any has, else those within a factor ``alike`` of the most
+    balanced; of them, the one that moves least (of equal moves, the more balanced)."""
+    floor = min(m[0] for m in made)
+    limit = BALANCE_TARGET if floor <= BALANCE_TARGET else floor * alike
+    return min((m for m in made if m[0] <= limit), key=lambda m: (m[1], m[0]))
 
 
 def busiest_rank(plan, loads: Sequence[Sequence[float]]) -> float:

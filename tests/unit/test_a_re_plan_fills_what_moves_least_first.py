@@ -4,11 +4,15 @@ most fragile layer filled alone) for want of trading, not of structure
 (``solver._restructured``); the repair that moves least is filled, as a rescue where the
 window leaves it out; and where the options do not balance, the repair that recovers as
 well as the first search's choice is filled before that choice is made afresh
-(``mro.restructure``'s rescues)."""
+(``mro.restructure``'s rescues). Of the fills made, those alike in balance (within
+``BALANCED_ENOUGH`` of the most balanced) are weighed on what they move
+(``balance.least_moving``)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from lazarus_core import balance as balancing
 from lazarus_core import count_trading, mro, solver
 from lazarus_core.balance import busiest_rank
 from lazarus_core.solver import plan_job, replan
@@ -39,6 +43,23 @@ def test_the_first_fill_trades_again_where_it_missed_its_bound(monkeypatch):
     assert balance < 1.10
     assert moved < 100
 
+
+
+@pytest.mark.parametrize("weighed", [True, False])
+def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, weighed):
+    # 15 nodes x 4 GPUs x 4 slots, E = 64, 4 layers, zipf 0.7-1.3, the budget as small as
+    # above: traded again, the first fill is as balanced (1.342) and moves 19 more.
+    if not weighed:  # the more balanced of the two, whatever it moves
+        monkeypatch.setattr(solver, "least_moving",
+                            lambda made, alike: min(made, key=lambda m: m[0]))
+    balance, moved = re_plan(nodes(15, 4, 4), 64, differing_loads(64, 4, 1.0, 101074032),
+                             lambda: monkeypatch.setattr(count_trading, "FILL_EVALUATIONS",
+                                                         20_000))
+    assert balance < 1.35
+    if weighed:
+        assert moved < 285
+    else:  # 296 moved
+        assert moved > 290
 
 @pytest.mark.parametrize("repaired", [True, False])
 def test_the_repair_is_rescued_before_the_choice_made_afresh(monkeypatch, repaired):
@@ -71,3 +92,56 @@ def test_the_repair_that_moves_least_is_filled_beyond_the_window(monkeypatch, re
         assert balance < 1.11 and moved < 10
     else:  # 1.158 with 18 moved
         assert balance > 1.15 and moved > 15
+
+
+
+@pytest.mark.parametrize("weighed", [True, False])
+def test_a_re_plan_takes_the_fill_that_moves_least_of_balances_alike(monkeypatch, weighed):
+    # 20 nodes x 2 GPUs x 3 slots, E = 16, 4 layers, zipf 1.2-1.8: after losing a node no
+    # fill balances within 1.05; two fill to the same 1.055, one moving 26 replicas fewer.
+    if not weighed:  # the fills taken in their order, as though moves were not known
+        first_balanced = solver.first_balanced
+        monkeypatch.setattr(solver, "first_balanced",
+                            lambda *a, moved=None, **k: first_balanced(*a, **k))
+    balance, moved = re_plan(nodes(20, 2, 3), 16, differing_loads(16, 4, 1.5, 21606496))
+    assert balance < 1.06
+    if weighed:
+        assert moved < 60
+    else:  # 80 moved
+        assert moved > 75
+
+# 10 slots x 2 layers, one rank a slot, the hot expert's load 50 times the other's: one
+# replica of it (50 / 5.1: 9.8 times the mean), or five (1.96).
+LOADS_APART = [[1.0, 50.0], [1.0, 50.0]]
+ONE_HOT = np.array([[0] * 9 + [1]] * 2)
+FIVE_HOT = np.array([[0, 1] * 5] * 2)
+
+
+def fills(calls: list, made: dict):
+    """Makers of fills named by what they are made from; ``made`` maps each name to its
+    [layer, slot] fill."""
+    def make(name):
+        return lambda: (calls.append(name), (name, made[name]))[1]
+    return [make(name) for name in made]
+
+
+@pytest.mark.parametrize("moves, rescued, taken", [
+    (None, ONE_HOT, "a"),  # a plan's fills: the first of balances alike
+    ({"a": 30, "b": 10, "c": 20, "d": 15}, ONE_HOT, "b"),  # alike: the one moving least
+    ({"a": 30, "b": 10, "c": 20, "d": 50}, FIVE_HOT, "d")])  # far more balanced
+def test_fills_alike_in_balance_are_weighed_on_what_they_move(moves, rescued, taken):
+    calls = []
+    window = fills(calls, {"a": ONE_HOT, "b": ONE_HOT, "c": ONE_HOT})
+    made_from, _ = balancing.first_balanced(
+        window, LOADS_APART, [1] * 10, [1] * 10, balancing.BALANCED_ENOUGH,
+        rescues=fills(calls, {"d": rescued}),
+        moved=None if moves is None else lambda name, _: moves[name])
+    assert calls == ["a", "b", "c", "d"]
+    assert made_from == taken
+
+
+def test_fills_alike_are_those_within_balanced_enough_of_the_most_balanced():
+    made = [(1.30, 5, "a"), (1.20, 40, "b"), (1.21, 30, "c"), (1.2121, 1, "d")]
+    assert balancing.least_moving(made, 1.01)[2] == "c"  # 1.2121 is beyond 1.20 x 1.01
+    assert balancing.least_moving(made, 1.02)[2] == "d"
+    assert balancing.least_moving(made[1:2], 1.01)[2] == "b"
