@@ -500,12 +500,13 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     ``mro.restructure``: the repair that moves least where the window left it out, and the
     first search's choice made afresh after the repair that ranks first with it).
 
-    A re-plan's fills are weighed on what they move as well (``moved``: the replicas a
-    fill's nodes must receive): of those within ``alike`` of the most balanced, the one
-    that moves least (``least_moving``). Its options come in the order of what they promise
-    to move, but a fill's counts and dealing may move more or less than its anchors did
-    (20 nodes x 2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80
-    replicas moved where another fill as balanced moves 54).
+    A re-plan's fills, rescues too, are weighed on what they move as well (``moved``: the
+    replicas a fill's nodes must receive): of those within ``alike`` of the most balanced
+    (within ``BALANCE_TARGET`` where any is), the one that moves least (``least_moving``),
+    rather than the first of balances alike. Its options come in the order of what they
+    promise to move, but a fill's counts and dealing may move more or less than its
+    anchors did (20 nodes x 2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing
+    one: 80 replicas moved where another fill as balanced moves 54).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
     alone, the rescues' last: a re-plan's layers do not borrow, so a fill's most fragile
