@@ -37,6 +37,11 @@ BALANCED_ENOUGH = 1.01
 # On a re-plan, replicas a node already holds move for balance only while the busiest rank
 # is more than 5% above the mean: past that, a step costs more than the transfer.
 BALANCE_TARGET = 1.05
+# A re-plan weighs a fill's busiest rank against the replicas it moves: moving every slot
+# costs as much as ranks 10% busier (a tenth of them, 1%). Copying an expert's weights and
+# optimizer state takes seconds where a step slower by 1% loses a second in minutes, so a
+# transfer is dear (``cheapest``).
+MOVE_PRICE = 0.1
 # Work bounds of the swap rounds (they stop sooner once nothing gains).
 MAX_ROUNDS = 64
 PATIENCE = 4
@@ -501,12 +506,12 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     first search's choice made afresh after the repair that ranks first with it).
 
     A re-plan's fills, rescues too, are weighed on what they move as well (``moved``: the
-    replicas a fill's nodes must receive): of those within ``alike`` of the most balanced
-    (within ``BALANCE_TARGET`` where any is), the one that moves least (``least_moving``),
-    rather than the first of balances alike. Its options come in the order of what they
-    promise to move, but a fill's counts and dealing may move more or less than its
-    anchors did (20 nodes x 2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing
-    one: 80 replicas moved where another fill as balanced moves 54).
+    replicas a fill's nodes must receive), and the cheapest is taken (``cheapest``: the
+    busiest rank priced up by the share of the slots moved), not the first of balances
+    alike: its options come in the order of what they promise to move, but a fill's
+    counts and dealing may move more or less than its anchors did (20 nodes x 2 GPUs x 3
+    slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80 replicas moved where
+    another fill as balanced moves 54).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
     alone, the rescues' last: a re-plan's layers do not borrow, so a fill's most fragile
@@ -528,8 +533,9 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
         worst = filled_balance(placements, loads, gpus, per_rank)
         floor = worst if floor is None else min(floor, worst)
         if moved is not None:
-            made.append((worst, moved(made_from, placements), made_from, placements))
-            best = least_moving(made, alike)
+            made.append((worst, moved(made_from, placements) / placements.size, made_from,
+                         placements))
+            best = cheapest(made)
         elif best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
             best = (max(worst, BALANCE_TARGET), 0, made_from, placements)
         return worst <= BALANCE_TARGET
@@ -557,13 +563,12 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     return best[2], best[3]
 
 
-def least_moving(made: Sequence[tuple], alike: float) -> tuple:
-    """Of fills (balance, moves, ...), those whose every layer has its ranks within
-    ``BALANCE_TARGET`` where any has, else those within a factor ``alike`` of the most
-    balanced; of them, the one that moves least (of equal moves, the more balanced)."""
-    floor = min(m[0] for m in made)
-    limit = BALANCE_TARGET if floor <= BALANCE_TARGET else floor * alike
-    return min((m for m in made if m[0] <= limit), key=lambda m: (m[1], m[0]))
+def cheapest(made: Sequence[tuple]) -> tuple:
+    """Of a re-plan's fills (balance, share of the slots it moves, ...), the one whose
+    busiest rank, counted as within ``BALANCE_TARGET`` where it is, weighs least once
+    priced up by what it moves (``MOVE_PRICE``); of equal weight, the one moving less."""
+    return min(made, key=lambda m: (max(m[0], BALANCE_TARGET) * (1 + MOVE_PRICE * m[1]),
+                                    m[1]))
 
 
 def busiest_rank(plan, loads: Sequence[Sequence[float]]) -> float:

@@ -14,7 +14,7 @@ from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, busiest_rank, fill_counts,
-                      filled_balance, first_balanced, least_moving)
+                      cheapest, filled_balance, first_balanced)
 from .carry import carry
 from .mro import (REPLAN_FAILURES, filled, mro, place_anchored, place_toward_holders,
                   restructure)
@@ -278,19 +278,20 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
         # benchmark's shape on 40 nodes, 320 GPUs, after losing 4: the repair filled to
         # 1.080 moving 16,114 replicas, against a bound of 1.054, and lost to a fresh
         # structure's 1.046 moving 40,152; traded again, 1.053 and 16,154). The two are
-        # weighed as every fill is (``balance.least_moving``): on 28 nodes, trading again
-        # gained 0.4% for 3,676 more replicas moved.
+        # weighed as every fill is (``balance.cheapest``): on 28 nodes, trading again
+        # gained 0.4% for 3,676 more replicas moved, 8% of the slots.
         made = fill(make, fresh)
         worst = balance(made)
         if worst <= bound * BALANCED_ENOUGH:
             return made
         again = fill(make, fresh, alone=True)
-        return least_moving([(worst, moved(*made), made), (balance(again), moved(*again), again)],
-                            BALANCED_ENOUGH)[2]
+        return cheapest([(worst, moved(*made) / made[1].size, made),
+                         (balance(again), moved(*again) / again[1].size, again)])[2]
 
-    # Balances within BALANCED_ENOUGH are alike here, as ``mro.restructure`` ranks them: a
-    # later option moves more (after losing one of 128 nodes, zipf 1.5 loads: 18,386
-    # replicas for 1.063 against 696 for 1.064).
+    # The fills are weighed on what they move (``moved``), and a costly one is made only
+    # where its bound promises more than BALANCED_ENOUGH, as ``mro.restructure`` ranks
+    # them: a later option moves more (after losing one of 128 nodes, zipf 1.5 loads:
+    # 18,386 replicas for 1.063 against 696 for 1.064).
     return first_balanced([lambda: first(*options[0])]
                           + [lambda option=option: fill(*option[:2]) for option in options[1:]],
                           weights, gpus, slots, BALANCED_ENOUGH,

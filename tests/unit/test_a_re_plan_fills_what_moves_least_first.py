@@ -4,9 +4,8 @@ most fragile layer filled alone) for want of trading, not of structure
 (``solver._restructured``); the repair that moves least is filled, as a rescue where the
 window leaves it out; and where the options do not balance, the repair that recovers as
 well as the first search's choice is filled before that choice is made afresh
-(``mro.restructure``'s rescues). Of the fills made, those alike in balance (within
-``BALANCED_ENOUGH`` of the most balanced) are weighed on what they move
-(``balance.least_moving``)."""
+(``mro.restructure``'s rescues). Of the fills made, the one taken is the one whose busiest
+rank, priced up by the share of the slots it moves, weighs least (``balance.cheapest``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,14 +43,12 @@ def test_the_first_fill_trades_again_where_it_missed_its_bound(monkeypatch):
     assert moved < 100
 
 
-
 @pytest.mark.parametrize("weighed", [True, False])
 def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, weighed):
     # 15 nodes x 4 GPUs x 4 slots, E = 64, 4 layers, zipf 0.7-1.3, the budget as small as
     # above: traded again, the first fill is as balanced (1.342) and moves 19 more.
     if not weighed:  # the more balanced of the two, whatever it moves
-        monkeypatch.setattr(solver, "least_moving",
-                            lambda made, alike: min(made, key=lambda m: m[0]))
+        monkeypatch.setattr(solver, "cheapest", lambda made: min(made, key=lambda m: m[0]))
     balance, moved = re_plan(nodes(15, 4, 4), 64, differing_loads(64, 4, 1.0, 101074032),
                              lambda: monkeypatch.setattr(count_trading, "FILL_EVALUATIONS",
                                                          20_000))
@@ -60,6 +57,7 @@ def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, we
         assert moved < 285
     else:  # 296 moved
         assert moved > 290
+
 
 @pytest.mark.parametrize("repaired", [True, False])
 def test_the_repair_is_rescued_before_the_choice_made_afresh(monkeypatch, repaired):
@@ -110,6 +108,7 @@ def test_a_re_plan_takes_the_fill_that_moves_least_of_balances_alike(monkeypatch
     else:  # 80 moved
         assert moved > 75
 
+
 # 10 slots x 2 layers, one rank a slot, the hot expert's load 50 times the other's: one
 # replica of it (50 / 5.1: 9.8 times the mean), or five (1.96).
 LOADS_APART = [[1.0, 50.0], [1.0, 50.0]]
@@ -127,7 +126,7 @@ def fills(calls: list, made: dict):
 
 @pytest.mark.parametrize("moves, rescued, taken", [
     (None, ONE_HOT, "a"),  # a plan's fills: the first of balances alike
-    ({"a": 30, "b": 10, "c": 20, "d": 15}, ONE_HOT, "b"),  # alike: the one moving least
+    ({"a": 30, "b": 10, "c": 20, "d": 15}, ONE_HOT, "b"),  # as balanced: moving least
     ({"a": 30, "b": 10, "c": 20, "d": 50}, FIVE_HOT, "d")])  # far more balanced
 def test_fills_alike_in_balance_are_weighed_on_what_they_move(moves, rescued, taken):
     calls = []
@@ -140,8 +139,12 @@ def test_fills_alike_in_balance_are_weighed_on_what_they_move(moves, rescued, ta
     assert made_from == taken
 
 
-def test_fills_alike_are_those_within_balanced_enough_of_the_most_balanced():
-    made = [(1.30, 5, "a"), (1.20, 40, "b"), (1.21, 30, "c"), (1.2121, 1, "d")]
-    assert balancing.least_moving(made, 1.01)[2] == "c"  # 1.2121 is beyond 1.20 x 1.01
-    assert balancing.least_moving(made, 1.02)[2] == "d"
-    assert balancing.least_moving(made[1:2], 1.01)[2] == "b"
+def test_a_fill_is_priced_up_by_the_share_of_the_slots_it_moves():
+    # MOVE_PRICE 0.1 (moving every slot weighs as ranks 10% busier): 1.20 x 1.05 = 1.26,
+    # 1.25 x 1.005 = 1.25625, 1.19 x 1.06 = 1.2614.
+    made = [(1.20, 0.50, "a"), (1.25, 0.05, "b"), (1.19, 0.60, "c")]
+    assert balancing.cheapest(made)[2] == "b"
+    assert balancing.cheapest([made[0], made[2]])[2] == "a"
+    # Ranks within BALANCE_TARGET are balanced alike: the fill that moves less.
+    assert balancing.cheapest([(1.01, 0.3, "x"), (1.04, 0.1, "y")])[2] == "y"
+    assert balancing.cheapest([(1.06, 0.0, "z"), (1.04, 0.1, "y")])[2] == "z"
