@@ -271,15 +271,18 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
         placed[(cells + placements).ravel()] = True
         return int((placed & ~held.ravel()).sum())
 
-    def first(make, fresh, bound):
-        # Where the first fill misses its bound (its most fragile layer filled alone) by
-        # more than BALANCED_ENOUGH, its trading, shared over the layers, fell short rather
-        # than its structure, and every layer trades again with a lone layer's budget (the
+    def traded_again(make, fresh, bound):
+        # The first fill and the rescues (the repairs that move least, the first search's
+        # choice): where one misses its bound (its most fragile layer filled alone) by more
+        # than BALANCED_ENOUGH, its trading, shared over the layers, fell short rather than
+        # its structure, and every layer trades again with a lone layer's budget (the
         # benchmark's shape on 40 nodes, 320 GPUs, after losing 4: the repair filled to
         # 1.080 moving 16,114 replicas, against a bound of 1.054, and lost to a fresh
-        # structure's 1.046 moving 40,152; traded again, 1.053 and 16,154). The two are
-        # weighed as every fill is (``balance.cheapest``): on 28 nodes, trading again
-        # gained 0.4% for 3,676 more replicas moved, 8% of the slots.
+        # structure's 1.046 moving 40,152; traded again, 1.053 and 16,154; 256 GPUs, zipf
+        # 0.4-1.0 per layer, after losing 4: the repair rescued 1.127 -> 1.110, moving
+        # 14,751). Not every fill: re-plans took 30-50% longer. The two are weighed as
+        # every fill is (``balance.cheapest``): on 28 nodes, trading again gained 0.4% for
+        # 3,676 more replicas moved, 8% of the slots.
         made = fill(make, fresh)
         worst = balance(made)
         if worst <= bound * BALANCED_ENOUGH:
@@ -292,10 +295,11 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
     # where its bound promises more than BALANCED_ENOUGH, as ``mro.restructure`` ranks
     # them: a later option moves more (after losing one of 128 nodes, zipf 1.5 loads:
     # 18,386 replicas for 1.063 against 696 for 1.064).
-    return first_balanced([lambda: first(*options[0])]
+    return first_balanced([lambda: traded_again(*options[0])]
                           + [lambda option=option: fill(*option[:2]) for option in options[1:]],
                           weights, gpus, slots, BALANCED_ENOUGH,
-                          rescues=[lambda rescue=rescue: fill(*rescue[:2]) for rescue in rescues],
+                          rescues=[lambda rescue=rescue: traded_again(*rescue)
+                                   for rescue in rescues],
                           bounds=[o[2] for o in options + rescues], moved=moved)
 
 
