@@ -31,17 +31,21 @@ def re_plan(cluster, experts, loads, then=lambda: None):
     return busiest_rank(result.plan, loads), result.migration.experts_migrated
 
 
+def starved(monkeypatch):
+    """Fills' trading budget cut to 20,000 rank loads (8 million by default), once the plan
+    is made: its layers share it, and a fill's trading falls short of its bound."""
+    return lambda: monkeypatch.setattr(count_trading, "FILL_EVALUATIONS", 20_000)
+
+
 def test_the_first_fill_trades_again_where_it_missed_its_bound(monkeypatch):
     # 21 nodes x 2 GPUs x 4 slots, E = 32, 3 layers, zipf 0.2-0.8. The fill's trading is
     # shared by its layers; a budget this small starves them here as 8 million does at 256
     # GPUs (there: 1.080 and 16,114 moved, lost to 1.046 and 40,152). Traded only once, the
     # re-plan ends at 1.520 with 268 replicas moved.
     balance, moved = re_plan(nodes(21, 2, 4), 32, differing_loads(32, 3, 0.5, 681396858),
-                             lambda: monkeypatch.setattr(count_trading, "FILL_EVALUATIONS",
-                                                         20_000))
+                             starved(monkeypatch))
     assert balance < 1.10
     assert moved < 100
-
 
 
 @pytest.mark.parametrize("traded", [True, False])
@@ -54,13 +58,13 @@ def test_a_rescue_trades_again_where_it_missed_its_bound(monkeypatch, traded):
     if not traded:  # no fill trades again
         monkeypatch.setattr(solver, "BALANCED_ENOUGH", 10.0)
     balance, moved = re_plan(nodes(26, 2, 4), 64, differing_loads(64, 4, 0.5, 54449067),
-                             lambda: monkeypatch.setattr(count_trading, "FILL_EVALUATIONS",
-                                                         20_000))
+                             starved(monkeypatch))
     assert moved < 100
     if traded:
         assert balance < 1.19
     else:  # 1.211
         assert balance > 1.2
+
 
 @pytest.mark.parametrize("weighed", [True, False])
 def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, weighed):
@@ -69,8 +73,7 @@ def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, we
     if not weighed:  # the more balanced of the two, whatever it moves
         monkeypatch.setattr(solver, "cheapest", lambda made: min(made, key=lambda m: m[0]))
     balance, moved = re_plan(nodes(15, 4, 4), 64, differing_loads(64, 4, 1.0, 101074032),
-                             lambda: monkeypatch.setattr(count_trading, "FILL_EVALUATIONS",
-                                                         20_000))
+                             starved(monkeypatch))
     assert balance < 1.35
     if weighed:
         assert moved < 285
@@ -109,7 +112,6 @@ def test_the_repair_that_moves_least_is_filled_beyond_the_window(monkeypatch, re
         assert balance < 1.11 and moved < 10
     else:  # 1.158 with 18 moved
         assert balance > 1.15 and moved > 15
-
 
 
 @pytest.mark.parametrize("weighed", [True, False])
