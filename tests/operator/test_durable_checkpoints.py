@@ -7,6 +7,7 @@ steps lost) go to build/e2e-results.json like test_full_stack's.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,36 @@ from testcluster.kubelet import LABEL, LocalKubelet
 from testcluster.waits import wait_until
 
 pytestmark = pytest.mark.cluster
+
+
+class StepWatch:
+    """The steps of every checkpoint a store shows complete, looked at every ``every_s``
+    from construction until ``stop``: a job prunes all but its newest few as it trains on,
+    and one look may come too late (a checkpoint stays until a few newer ones complete:
+    many looks)."""
+
+    def __init__(self, store: Checkpoints, every_s: float = 0.1):
+        self._store, self._every_s = store, every_s
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._look, daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        while not self._stopped.is_set():
+            steps = {ck.step for ck in self._store.complete()}
+            with self._lock:
+                self._seen |= steps
+            self._stopped.wait(self._every_s)
+
+    def steps(self) -> set[int]:
+        with self._lock:
+            return set(self._seen)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def uid(stack: Stack) -> str:
@@ -275,22 +306,27 @@ def test_two_jobs_with_one_checkpoint_path_each_restore_their_own(cluster, stack
     assert sorted(p.name for p in shared.iterdir()) == sorted([uid(stack), uid(b)])
 
     generations = {key: s.generation() for key, (s, _, _) in jobs.items()}
-    fault_at, own = {}, {}
-    for key, (s, make_nodes, _) in jobs.items():
-        fault_at[key] = time.time()
-        faults.zone_down(cluster.core, zones[key], delete=True)
-        # Its own checkpoints as the workers died (older ones are pruned as it trains on).
-        own[key] = {ck.step for ck in stores[key].complete()}
-        make_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+    # Every checkpoint each job completes under its own UID, watched from before its zone
+    # goes down: it prunes all but the newest few as it trains on, and while the test waits
+    # on one job the other trains far (job b restored step 15 and had pruned it by 245).
+    own = {key: StepWatch(store) for key, store in stores.items()}
+    fault_at, measured = {}, {}
+    try:
+        for key, (s, make_nodes, _) in jobs.items():
+            fault_at[key] = time.time()
+            faults.zone_down(cluster.core, zones[key], delete=True)
+            make_nodes("gpu-spot", num_zones=1, nodes_per_zone=2)
+        for key, (s, _, _) in jobs.items():
+            s.wait_step(s.last_step() + 1, after_generation=generations[key])
+            m = measured[key] = s.measure(
+                f"two jobs, one checkpoint path: job {key} restores its own", fault_at[key],
+                generations[key])
+            assert m["restored_step"] in own[key].steps(), (m, own[key].steps())
+    finally:
+        for watch in own.values():
+            watch.stop()
     for key, (s, _, runtime) in jobs.items():
-        s.wait_step(s.last_step() + 1, after_generation=generations[key])
-        m = s.measure(f"two jobs, one checkpoint path: job {key} restores its own",
-                      fault_at[key], generations[key])
-        # A checkpoint whose last shard was written as the zone went down completes after
-        # the look above: its own too, under its own UID.
-        own[key] |= {ck.step for ck in stores[key].complete()}
-        assert m["restored_step"] in own[key], (m, own)
-        upto = m["resumed_at_step"] + 5
+        upto = measured[key]["resumed_at_step"] + 5
         s.wait_step(upto)
         losses, reference = s.losses(), own_reference(s, runtime, upto)
         worst = max(abs(losses[i] - reference[i - 1]) for i in range(1, upto + 1))
