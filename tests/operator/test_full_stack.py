@@ -666,8 +666,12 @@ def test_a_hostile_pod_without_the_key_changes_nothing(cluster, stack, scratch_n
     def rounds() -> int:  # the attacker prints the number of each round it completes
         return sum(line.isdigit() for line in attack_log.read_text().splitlines())
 
+    # The attacker imports torch before its first round: seconds on a busy host (60 s ran
+    # out once with four workers training on two cores).
     wait_until(lambda: attack_log.exists() and rounds() >= 5,
-               timeout=60, what="the hostile pod's first rounds")
+               timeout=STEP_TIMEOUT_S, what="the hostile pod's first rounds",
+               describe=lambda: (attack_log.read_text()[-2000:] if attack_log.exists()
+                                 else "no log from the hostile pod"))
     attacked_from = stack.last_step()
     stack.wait_step(attacked_from + 10)
     assert rounds() >= 5, attack_log.read_text()[-2000:]
