@@ -107,6 +107,10 @@ CASES = [
     BadSpec("a trillion steps", _spec(steps=10**12), "spec.steps", ADMISSION),
     BadSpec("gain over 100 percent", _spec(rebalanceMinGainPercent=101),
             "spec.rebalanceMinGainPercent", ADMISSION),
+    BadSpec("a negative move price", _spec(movePricePercent=-1), "spec.movePricePercent",
+            ADMISSION),
+    BadSpec("a move price as a fraction", _spec(movePricePercent=0.5),
+            "spec.movePricePercent", ADMISSION),
     # Shapes and ranges.
     BadSpec("no minNodes", _without("spec", "minNodes"), "spec.minNodes", ADMISSION),
     BadSpec("no experts", _without("runtime", "experts"), "spec.runtime.experts", ADMISSION),

@@ -40,7 +40,8 @@ BALANCE_TARGET = 1.05
 # A re-plan weighs a fill's busiest rank against the replicas it moves: moving every slot
 # costs as much as ranks 10% busier (a tenth of them, 1%). Copying an expert's weights and
 # optimizer state takes seconds where a step slower by 1% loses a second in minutes, so a
-# transfer is dear (``cheapest``).
+# transfer is dear (``cheapest``). The default of a job's spec.movePricePercent, which
+# says otherwise where experts are larger or the network slower (job_spec.py).
 MOVE_PRICE = 0.1
 # Work bounds of the swap rounds (they stop sooner once nothing gains).
 MAX_ROUNDS = 64
@@ -491,8 +492,8 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
                    fresh: bool = False,
                    rescues: Sequence[Callable[[], tuple[object, np.ndarray]]] = (),
                    bounds: Sequence[float] | None = None,
-                   moved: Callable[[object, np.ndarray], int] | None = None
-                   ) -> tuple[object, np.ndarray]:
+                   moved: Callable[[object, np.ndarray], int] | None = None,
+                   move_price: float = MOVE_PRICE) -> tuple[object, np.ndarray]:
     """The first of ``fills`` (makers of (what it was made from, [layer, slot] fill), in the
     order to take them) whose every layer has its ranks within ``BALANCE_TARGET``, else the
     most balanced of the first ``FILLS_TRIED`` (for a ``fresh`` plan, of as many more as
@@ -507,10 +508,10 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
 
     A re-plan's fills, rescues too, are weighed on what they move as well (``moved``: the
     replicas a fill's nodes must receive), and the cheapest is taken (``cheapest``: the
-    busiest rank priced up by the share of the slots moved), not the first of balances
-    alike: its options come in the order of what they promise to move, but a fill's
-    counts and dealing may move more or less than its anchors did (20 nodes x 2 GPUs x 3
-    slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80 replicas moved where
+    busiest rank priced up by the share of the slots moved, at ``move_price``), not the
+    first of balances alike: its options come in the order of what they promise to move,
+    but a fill's counts and dealing may move more or less than its anchors did (20 nodes x
+    2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80 replicas moved where
     another fill as balanced moves 54).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
@@ -535,7 +536,7 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
         if moved is not None:
             made.append((worst, moved(made_from, placements) / placements.size, made_from,
                          placements))
-            best = cheapest(made)
+            best = cheapest(made, move_price)
         elif best is None or max(worst, BALANCE_TARGET) * alike < best[0]:
             best = (max(worst, BALANCE_TARGET), 0, made_from, placements)
         return worst <= BALANCE_TARGET
@@ -563,11 +564,12 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     return best[2], best[3]
 
 
-def cheapest(made: Sequence[tuple]) -> tuple:
+def cheapest(made: Sequence[tuple], move_price: float = MOVE_PRICE) -> tuple:
     """Of a re-plan's fills (balance, share of the slots it moves, ...), the one whose
     busiest rank, counted as within ``BALANCE_TARGET`` where it is, weighs least once
-    priced up by what it moves (``MOVE_PRICE``); of equal weight, the one moving less."""
-    return min(made, key=lambda m: (max(m[0], BALANCE_TARGET) * (1 + MOVE_PRICE * m[1]),
+    priced up by what it moves (times 1 + ``move_price`` x the share); of equal weight,
+    the one moving less."""
+    return min(made, key=lambda m: (max(m[0], BALANCE_TARGET) * (1 + move_price * m[1]),
                                     m[1]))
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import kube_names
+from .balance import MOVE_PRICE
 from .checkpoint_location import KEEP_DEFAULT, KEEP_MAX, KEEP_MIN, path_problem
 from .plan import POLICIES
 from .pod_template import check_coordinator, check_template
@@ -49,6 +50,7 @@ DEFAULTS = {
     "placement": "mro",
     "rebalanceEverySteps": 200,
     "rebalanceMinGainPercent": 10,
+    "movePricePercent": round(MOVE_PRICE * 100),
     "checkpointEverySteps": 50,
     "checkpointKeep": KEEP_DEFAULT,
 }
@@ -59,6 +61,8 @@ LIMITS = {
     "minNodes": (1, 10000), "maxNodes": (1, 10000), "replicas": (1, 10000),
     "gpusPerNode": (1, 64), "slotsPerGpu": (1, 256), "minReplicas": (1, 64),
     "rebalanceEverySteps": (0, 10**9), "rebalanceMinGainPercent": (0, 100),
+    # 1,000%: moving every slot weighs as ranks 11 times busier, a re-plan that moves least.
+    "movePricePercent": (0, 1000),
     "steps": (1, 10**9),
 }
 # Pod and Service names are derived from the job's ("<job>-coordinator", "<job>-worker-N");
@@ -99,6 +103,9 @@ class JobSpec:
     # many percent (controller.transitions._rebalance).
     rebalance_min_gain_percent: int
     checkpoint: CheckpointSpec | None
+    # What a re-plan pays to copy expert state: moving every slot weighs as ranks this many
+    # percent busier (balance.cheapest).
+    move_price_percent: int = DEFAULTS["movePricePercent"]
     spot_notice_taints: tuple[str, ...] = DEFAULT_SPOT_NOTICE_TAINTS
     runtime: Mapping = field(default_factory=dict)
     template: Mapping = field(default_factory=dict)
@@ -177,6 +184,7 @@ def parse_spec(spec: object) -> JobSpec:
               f"must be one of {', '.join(POLICIES)}, got {policy!r}")
     every = _bounded(p, spec, "rebalanceEverySteps", DEFAULTS["rebalanceEverySteps"])
     gain = _bounded(p, spec, "rebalanceMinGainPercent", DEFAULTS["rebalanceMinGainPercent"])
+    price = _bounded(p, spec, "movePricePercent", DEFAULTS["movePricePercent"])
     if min_nodes and max_nodes and min_nodes > max_nodes:
         p.bad("spec.minNodes", "InvalidNodeRange",
               f"minNodes ({min_nodes}) exceeds maxNodes ({max_nodes}); raise maxNodes")
@@ -203,7 +211,7 @@ def parse_spec(spec: object) -> JobSpec:
         experts=experts, layers=layers, min_nodes=min_nodes, max_nodes=max_nodes,
         replicas=replicas, gpus_per_node=gpus, slots_per_gpu=slots, min_replicas=f,
         policy=policy, rebalance_every_steps=every, rebalance_min_gain_percent=gain,
-        checkpoint=checkpoint, spot_notice_taints=taints, runtime=dict(runtime),
+        checkpoint=checkpoint, move_price_percent=price, spot_notice_taints=taints, runtime=dict(runtime),
         template=dict(template), coordinator=dict(coordinator), steps=steps,
     )
 

@@ -1,6 +1,7 @@
 """The placement solver: from nodes and expert loads to a validated plan, and re-plans."""
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,8 +14,8 @@ from .anchors import anchors_of_presence, even_cover_masks, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
 from .anchor_search import largest_core
-from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, busiest_rank, fill_counts,
-                      cheapest, filled_balance, first_balanced)
+from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, MOVE_PRICE, busiest_rank,
+                      fill_counts, cheapest, filled_balance, first_balanced)
 from .carry import carry
 from .mro import (REPLAN_FAILURES, filled, mro, place_anchored, place_toward_holders,
                   restructure)
@@ -190,11 +191,15 @@ class Replan:
 
 def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
            loads: Sequence[Sequence[float]] | None = None,
-           max_failures: int = DEFAULT_MAX_FAILURES) -> Replan:
+           max_failures: int = DEFAULT_MAX_FAILURES,
+           move_price: float = MOVE_PRICE) -> Replan:
     """The next generation for ``nodes``, mapped onto them to move as little as possible.
 
-    ``sources`` are the old plan's nodes that can still send expert state.
+    ``sources`` are the old plan's nodes that can still send expert state. ``move_price``:
+    how much busier ranks are worth moving every slot (``balance.cheapest``).
     """
+    if not (isinstance(move_price, (int, float)) and 0 <= move_price < math.inf):
+        raise ValueError(f"move_price: must be a number >= 0, got {move_price!r}")
     def finish(ordered, placements, devices=None) -> Replan:
         if not isinstance(placements, np.ndarray):
             placements = np.array([np.concatenate(p) for p in placements], dtype=np.int64)
@@ -223,14 +228,14 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         kept = finish(ordered, carried.placements, carried.devices)
         if carried.balance <= BALANCE_TARGET:
             return kept
-    rebuilt = finish(*_restructured(old, ordered, sources, loads))
+    rebuilt = finish(*_restructured(old, ordered, sources, loads, move_price))
     if carried is not None and _no_worse(kept, rebuilt, loads):
         return kept
     return rebuilt
 
 
 def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
-                  loads: Sequence[Sequence[float]] | None):
+                  loads: Sequence[Sequence[float]] | None, move_price: float):
     """MRO on the nodes themselves: the cores that survived keep their experts
     (``mro.restructure``), the rest is filled afresh; (nodes in position order, placement).
     """
@@ -289,7 +294,8 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
             return made
         again = fill(make, fresh, alone=True)
         return cheapest([(worst, moved(*made) / made[1].size, made),
-                         (balance(again), moved(*again) / again[1].size, again)])[2]
+                         (balance(again), moved(*again) / again[1].size, again)],
+                        move_price)[2]
 
     # The fills are weighed on what they move (``moved``), and a costly one is made only
     # where its bound promises more than BALANCED_ENOUGH, as ``mro.restructure`` ranks
@@ -300,7 +306,8 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
                           weights, gpus, slots, BALANCED_ENOUGH,
                           rescues=[lambda rescue=rescue: traded_again(*rescue)
                                    for rescue in rescues],
-                          bounds=[o[2] for o in options + rescues], moved=moved)
+                          bounds=[o[2] for o in options + rescues], moved=moved,
+                          move_price=move_price)
 
 
 def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:

@@ -19,14 +19,14 @@ from lazarus_core.solver import plan_job, replan
 from layer_shapes import differing_loads, nodes
 
 
-def re_plan(cluster, experts, loads, then=lambda: None):
+def re_plan(cluster, experts, loads, then=lambda: None, move_price=balancing.MOVE_PRICE):
     """The busiest rank and the replicas moved after losing node-03; ``then`` runs after
     the plan is made."""
     plan = plan_job(cluster, experts, len(loads), 2, "mro", loads, max_failures=0)
     then()
     survivors = [n for n in cluster if n.name != "node-03"]
     result = replan(plan, survivors, "NodeLost", {n.name for n in survivors}, loads,
-                    max_failures=0)
+                    max_failures=0, move_price=move_price)
     assert result.migration.recoverable
     return busiest_rank(result.plan, loads), result.migration.experts_migrated
 
@@ -66,12 +66,33 @@ def test_a_rescue_trades_again_where_it_missed_its_bound(monkeypatch, traded):
         assert balance > 1.2
 
 
+@pytest.mark.parametrize("move_price", [0.0, 0.05, 0.1, 1.0])
+def test_the_move_price_is_the_callers(monkeypatch, move_price):
+    # The rescue's case above: the window's best fill 1.136 moving 346 replicas (43% of the
+    # slots), the rescue 1.171 moving 55 (7%). Priced at p, they weigh 1.136 (1 + 0.43 p)
+    # and 1.171 (1 + 0.07 p): the one moving more is cheaper below p = 0.086.
+    balance, moved = re_plan(nodes(26, 2, 4), 64, differing_loads(64, 4, 0.5, 54449067),
+                             starved(monkeypatch), move_price=move_price)
+    if move_price < 0.086:
+        assert balance < 1.14 and moved > 300
+    else:
+        assert balance > 1.16 and moved < 100
+
+
+@pytest.mark.parametrize("move_price", [-0.1, float("nan"), float("inf"), "0.1"])
+def test_a_move_price_that_is_not_a_number_at_least_zero_is_refused(move_price):
+    cluster = nodes(4, 1, 4)
+    plan = plan_job(cluster, 4, 1, 2, "mro", max_failures=0)
+    with pytest.raises(ValueError, match="move_price"):
+        replan(plan, cluster[:3], "NodeLost", {n.name for n in cluster}, move_price=move_price)
+
+
 @pytest.mark.parametrize("weighed", [True, False])
 def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, weighed):
     # 15 nodes x 4 GPUs x 4 slots, E = 64, 4 layers, zipf 0.7-1.3, the budget as small as
     # above: traded again, the first fill is as balanced (1.342) and moves 19 more.
     if not weighed:  # the more balanced of the two, whatever it moves
-        monkeypatch.setattr(solver, "cheapest", lambda made: min(made, key=lambda m: m[0]))
+        monkeypatch.setattr(solver, "cheapest", lambda made, _: min(made, key=lambda m: m[0]))
     balance, moved = re_plan(nodes(15, 4, 4), 64, differing_loads(64, 4, 1.0, 101074032),
                              starved(monkeypatch))
     assert balance < 1.35

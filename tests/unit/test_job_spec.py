@@ -94,7 +94,7 @@ def test_parser_defaults_equal_the_crd_defaults():
     crd = yaml.safe_load((ROOT / "crds" / "lazarusjob.yaml").read_text())
     props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     for key in ("gpusPerNode", "slotsPerGpu", "minReplicas", "placement",
-                "rebalanceEverySteps", "rebalanceMinGainPercent"):
+                "rebalanceEverySteps", "rebalanceMinGainPercent", "movePricePercent"):
         assert props[key]["default"] == DEFAULTS[key], key
     assert props["checkpoint"]["properties"]["everySteps"]["default"] == DEFAULTS["checkpointEverySteps"]
     assert tuple(t["key"] for t in props["spotNoticeTaints"]["default"]) == DEFAULT_SPOT_NOTICE_TAINTS
