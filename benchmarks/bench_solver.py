@@ -8,7 +8,10 @@ Cases, all with f=2 and zipf(1.0) expert loads that rotate across layers:
   times eight, where the recovery-first structure leaves the ranks out of balance and the
   solver searches longest (its cold experts spread evenly: docs/placement.md);
 - 1,024 GPUs: 128 nodes x 8 GPUs x 4 slots, E=256, L=58 (DeepSeek-V3-like);
-- 4,096 GPUs: 512 nodes x 8 GPUs x 4 slots, E=256, L=61.
+- 4,096 GPUs: 512 nodes x 8 GPUs x 4 slots, E=256, L=61;
+and 1,024 GPUs again with loads whose layers differ in shape, as measured routing does
+(``lazarus_sim.workload.differing_loads``: zipf 0.4-1.0 per layer, noise, random order):
+rotated zipf loads give every layer the same shape, which the solver plans once.
 
 The baseline is DeepSeek EPLB's idea: start every expert at f replicas, give each extra
 replica to the expert with the highest load per replica, then pack replicas heaviest-first
@@ -48,6 +51,7 @@ from lazarus_core.plan import Plan  # noqa: E402
 from lazarus_core.recovery import recovery_probability  # noqa: E402
 from lazarus_core.solver import _positions, build_plan, plan_job, replan  # noqa: E402
 from lazarus_core.topology import NodeSpec  # noqa: E402
+from lazarus_sim.workload import differing_loads  # noqa: E402
 
 CASES = {
     "paper (N=10, c=6, E=16, L=12)": dict(nodes=10, gpus=1, slots=6, experts=16, layers=12),
@@ -56,6 +60,8 @@ CASES = {
                                               layers=58),
     "4,096 GPUs (512x8x4, E=256, L=61)": dict(nodes=512, gpus=8, slots=4, experts=256,
                                               layers=61),
+    "1,024 GPUs, layers of zipf 0.4-1.0": dict(nodes=128, gpus=8, slots=4, experts=256,
+                                              layers=58, differing=(0.7, 7)),
 }
 TARGETS = {  # (case prefix, metric) -> target
     ("1,024", "plan (ms)"): "< 100",
@@ -77,6 +83,13 @@ LOST = 4
 
 def loads(experts: int, layers: int) -> list[list[float]]:
     return [[1 / (((e + l) % experts) + 1) for e in range(experts)] for l in range(layers)]
+
+
+def case_loads(cfg) -> list[list[float]]:
+    """The case's loads: rotated zipf(1.0), or layers of differing shape (skew, seed)."""
+    if "differing" in cfg:
+        return differing_loads(cfg["experts"], cfg["layers"], *cfg["differing"])
+    return loads(cfg["experts"], cfg["layers"])
 
 
 def eplb_allocate(load: list[float], total_slots: int, f: int) -> list[int]:
@@ -141,7 +154,7 @@ def run_case(name, cfg, repeats, draws):
     nodes = [NodeSpec(f"node-{i:03d}", cfg["gpus"], cfg["slots"], zone=f"zone-{i % 4}")
              for i in range(cfg["nodes"])]
     E, L = cfg["experts"], cfg["layers"]
-    lo = loads(E, L)
+    lo = case_loads(cfg)
     ours_ms, plan = cpu_ms(lambda: plan_job(nodes, E, L, MIN_REPLICAS, "mro", lo,
                                             max_failures=0), repeats)
     base_ms, baseline = cpu_ms(lambda: eplb_plan(nodes, lo, E, 1, "Initial"), repeats)
@@ -249,7 +262,7 @@ def main():
     for name, cfg in CASES.items():
         rows += run_case(name, cfg, args.repeats, args.draws)
     for name in CASES:
-        if name.startswith(("paper", "1,024")):
+        if name.startswith(("paper", "1,024")) and "differing" not in CASES[name]:
             rows += search_gain(name, CASES[name])
     rows += cli_rows("1,024 GPUs (128 x 32 slots, CLI)", 128, 32, 58, args.repeats)
     rows += cli_rows("4,096 GPUs (512 x 32 slots, CLI)", 512, 32, 61, args.repeats)

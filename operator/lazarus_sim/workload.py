@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from lazarus_core.migration import Migration
 
 
@@ -72,3 +74,17 @@ class Costs:
         received = Counter(t.destination for t in migration.transfers)
         busiest = max([*sent.values(), *received.values()], default=0)
         return busiest * model.expert_mb / 1000 / self.link_gb_per_s
+
+
+def differing_loads(experts: int, layers: int, skew: float, seed: int) -> list[list[float]]:
+    """Token loads ``[layer][expert]`` whose layers differ in shape, not only in which
+    expert is hot, as measured MoE routing does: per layer a zipf exponent within 0.3 of
+    ``skew``, lognormal(0, 0.2) noise per expert and a random order (rounded, so that the
+    loads do not depend on float printing). The solver's tests and benchmark use them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        exponent = max(skew + rng.uniform(-0.3, 0.3), 0.0)
+        t = rng.lognormal(0, 0.2, experts) / np.arange(1, experts + 1) ** exponent
+        out.append([round(float(x), 9) for x in rng.permutation(t)])
+    return out

@@ -15,8 +15,9 @@ from lazarus_core import balance as balancing
 from lazarus_core import count_trading, mro, solver
 from lazarus_core.balance import busiest_rank
 from lazarus_core.solver import plan_job, replan
+from lazarus_sim.workload import differing_loads
 
-from layer_shapes import differing_loads, nodes
+from layer_shapes import nodes
 
 
 def re_plan(cluster, experts, loads, then=lambda: None, move_price=balancing.MOVE_PRICE):

@@ -15,8 +15,8 @@ from lazarus_core.migration import plan_transfers
 from lazarus_core.plan import violations
 from lazarus_core.solver import plan_job
 from lazarus_core.topology import NodeSpec
+from lazarus_sim.workload import differing_loads
 
-from layer_shapes import differing_loads
 from layer_shapes import nodes as numbered_nodes
 
 T0 = 1_000.0

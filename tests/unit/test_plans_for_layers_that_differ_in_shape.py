@@ -11,8 +11,9 @@ import pytest
 from lazarus_core import balance, mro, solver
 from lazarus_core.balance import busiest_rank
 from lazarus_core.solver import plan_job, replan
+from lazarus_sim.workload import differing_loads
 
-from layer_shapes import differing_loads, nodes
+from layer_shapes import nodes
 
 
 def without_rescue(monkeypatch) -> None:
