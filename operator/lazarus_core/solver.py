@@ -22,6 +22,7 @@ from .mro import (REPLAN_FAILURES, filled, mro, place_anchored, place_toward_hol
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, count_cube, validate
 from .recovery import cube_presence, fatal_counts, masks_of, minimal_masks, recovery_table
+from .swap_back import swapped_back
 from .topology import NodeSpec, check_nodes, failure_domain_order
 
 DEFAULT_MAX_FAILURES = 5
@@ -172,6 +173,16 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]
     return [[translate[c] for c in a.cores] for a in anchors], size if even else None
 
 
+def _swapped_back(old: Plan, ordered: Sequence[NodeSpec], placements: np.ndarray,
+                  loads: Sequence[Sequence[float]] | None, sources: set[str]) -> np.ndarray:
+    """``swap_back.swapped_back`` of a re-plan's fill on ``ordered``."""
+    counts = fill_counts(placements, old.experts)
+    t = (np.ones(counts.shape) if loads is None else np.asarray(loads, dtype=np.float64))
+    return swapped_back(placements, _references(old, ordered, sources) > 0,
+                        t / np.maximum(counts, 1), [n.slots for n in ordered],
+                        [n.slots_per_gpu for n in ordered], largest_core(len(ordered)))
+
+
 def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> np.ndarray:
     """[layer, position, expert]: replicas the node now at each position already holds
     (int16, as ``Plan.count_cube``: the fill scans all of it)."""
@@ -200,12 +211,15 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
     """
     if not (isinstance(move_price, (int, float)) and 0 <= move_price < math.inf):
         raise ValueError(f"move_price: must be a number >= 0, got {move_price!r}")
+
     def finish(ordered, placements, devices=None) -> Replan:
         if not isinstance(placements, np.ndarray):
             placements = np.array([np.concatenate(p) for p in placements], dtype=np.int64)
-        # Each rank of a node is played by the GPU of that node that holds most of what it
-        # needs.
         if devices is None:
+            # A fill made afresh: replicas it copies to one node while another node copies
+            # what the first held go back where they were (swap_back.py), then each rank of
+            # a node is played by the GPU of that node that holds most of what it needs.
+            placements = _swapped_back(old, ordered, placements, loads, sources)
             devices = map_devices(old, ordered, placements)
         plan = build_plan(ordered, fill_counts(placements, old.experts).tolist(), placements,
                           old.experts, old.min_replicas, old.policy, old.generation + 1,
