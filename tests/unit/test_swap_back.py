@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lazarus_core import solver
+from lazarus_core import solver, swap_back
 from lazarus_core.balance import busiest_rank
 from lazarus_core.solver import plan_job, replan
 from lazarus_core.swap_back import swapped_back
@@ -73,6 +73,18 @@ def test_a_swap_saving_two_copies_goes_before_one_saving_one():
                        [1, 1, 1], 1)
     assert list(out[0]) == [0, 1, 6, 1, 4, 5]
     assert copies(out, held) == 1  # node 1's copy of 1 stays
+
+
+@pytest.mark.parametrize("rounds", [swap_back.ROUNDS, 1])
+def test_a_copy_left_by_a_swap_goes_back_on_the_next_pass(monkeypatch, rounds):
+    # Three nodes each got the next one's expert: no pair trades places. Node 0 takes 1
+    # back from node 1 and gives it 4, a copy node 2 held; the next pass swaps that with
+    # node 2's copy of 2, which node 1 held.
+    monkeypatch.setattr(swap_back, "ROUNDS", rounds)
+    held = held_as({0, 1}, {2, 3}, {4, 5}, experts=6)
+    out = swapped_back(np.array([[0, 4, 1, 3, 2, 5]]), held, np.ones((1, 6)), [2, 2, 2],
+                       [1, 1, 1], 1)
+    assert copies(out, held) == (0 if rounds > 1 else 2)
 
 
 @pytest.mark.parametrize("swapping", [True, False])
