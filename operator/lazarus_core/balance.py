@@ -511,8 +511,8 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     busiest rank priced up by the share of the slots moved, at ``move_price``), not the
     first of balances alike: its options come in the order of what they promise to move,
     but a fill's counts and dealing may move more or less than its anchors did (20 nodes x
-    2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80 replicas moved where
-    another fill as balanced moves 54).
+    2 GPUs x 3 slots, E = 16, zipf 1.2-1.8 per layer, after losing one: 80 replicas moved
+    where another fill as balanced moves 54).
 
     ``bounds`` (a re-plan's) are the balance of each fill's most fragile layer filled
     alone, the rescues' last: a re-plan's layers do not borrow, so a fill's most fragile
@@ -524,9 +524,9 @@ def first_balanced(fills: Sequence[Callable[[], tuple[object, np.ndarray]]], loa
     though it moved nothing, could not be cheaper than the cheapest made (``weight``: the
     benchmark's shape on 60 nodes after losing 4, the repair's bound 1.064 against a first
     fill of 1.068 moving 49% of the slots; made, 1.074 moving 17,351 replicas, a third of
-    the first fill's 51,116). Cheap fills are all
-    made: the bound leaves out the replicas the nodes keep, and with them a fill has come
-    out better (3 of 142 small re-plans, e.g. 1.242 against 1.264)."""
+    the first fill's 51,116). Cheap fills are all made: the bound leaves out the replicas
+    the nodes keep, and with them a fill has come out better (3 of 142 small re-plans,
+    e.g. 1.242 against 1.264)."""
     if len(fills) == 1 and not rescues:
         return fills[0]()
     per_rank = [c // g for c, g in zip(slots, gpus)]

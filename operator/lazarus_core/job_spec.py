@@ -211,8 +211,9 @@ def parse_spec(spec: object) -> JobSpec:
         experts=experts, layers=layers, min_nodes=min_nodes, max_nodes=max_nodes,
         replicas=replicas, gpus_per_node=gpus, slots_per_gpu=slots, min_replicas=f,
         policy=policy, rebalance_every_steps=every, rebalance_min_gain_percent=gain,
-        checkpoint=checkpoint, move_price_percent=price, spot_notice_taints=taints, runtime=dict(runtime),
-        template=dict(template), coordinator=dict(coordinator), steps=steps,
+        checkpoint=checkpoint, move_price_percent=price, spot_notice_taints=taints,
+        runtime=dict(runtime), template=dict(template), coordinator=dict(coordinator),
+        steps=steps,
     )
 
 

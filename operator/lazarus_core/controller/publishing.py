@@ -37,7 +37,8 @@ def next_plan(state: JobState, reason: str, why: str) -> Plan | Wait:
     # replan() keeps the old plan's policy and f; a spec change may have altered them.
     old = dataclasses.replace(state.plan, policy=spec.policy, min_replicas=spec.min_replicas)
     sources = ({n.name for n in old.nodes} & state.alive) - state.departed
-    return replan(old, chosen, reason, sources, loads, max_failures=state.settings.max_failures,
+    return replan(old, chosen, reason, sources, loads,
+                  max_failures=state.settings.max_failures,
                   move_price=spec.move_price_percent / 100).plan
 
 
