@@ -5,8 +5,8 @@ that the other already held: node A gets x (a copy) while node B, which held x, 
 which A held. Swapping the two slots moves neither, or one fewer where B did not hold x,
 and this pass makes every such swap that
 
-- leaves every rank of the layer at or below its busiest rank before the pass (no layer's
-  step gets slower), and
+- leaves every rank of the layer at or below its busiest rank before the first pass (no
+  layer's step gets slower), and
 - touches only experts on at least ``largest`` nodes (``anchor_search.largest_core``),
   where neither expert has a twin on the node it leaves or a replica on the node it
   joins: each keeps as many nodes as before, and an expert on that many nodes has no
