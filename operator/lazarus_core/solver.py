@@ -17,8 +17,8 @@ from .anchor_search import largest_core
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, MOVE_PRICE, busiest_rank,
                       fill_counts, cheapest, filled_balance, first_balanced)
 from .carry import carry
-from .mro import (REPLAN_FAILURES, filled, mro, place_anchored, place_toward_holders,
-                  restructure)
+from .mro import (REPLAN_FAILURES, filled, mro, per_replica, place_anchored,
+                  place_toward_holders, restructure)
 from .placement import Placement, compact, spread
 from .plan import POLICIES, LayerPlan, Plan, PlanNode, count_cube, validate
 from .recovery import cube_presence, fatal_counts, masks_of, minimal_masks, recovery_table
@@ -174,13 +174,14 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]
 
 
 def _swapped_back(old: Plan, ordered: Sequence[NodeSpec], placements: np.ndarray,
-                  loads: Sequence[Sequence[float]] | None, sources: set[str]) -> np.ndarray:
-    """``swap_back.swapped_back`` of a re-plan's fill on ``ordered``."""
-    counts = fill_counts(placements, old.experts)
-    t = (np.ones(counts.shape) if loads is None else np.asarray(loads, dtype=np.float64))
-    return swapped_back(placements, _references(old, ordered, sources) > 0,
-                        t / np.maximum(counts, 1), [n.slots for n in ordered],
-                        [n.slots_per_gpu for n in ordered], largest_core(len(ordered)))
+                  counts: np.ndarray, loads: Sequence[Sequence[float]] | None,
+                  sources: set[str]) -> np.ndarray:
+    """``swap_back.swapped_back`` of a re-plan's fill on ``ordered`` (``counts``: its
+    replicas per layer and expert, which the swaps keep)."""
+    weights = per_replica(counts, loads if loads is not None else np.ones(counts.shape))
+    return swapped_back(placements, _references(old, ordered, sources) > 0, weights,
+                        [n.slots for n in ordered], [n.slots_per_gpu for n in ordered],
+                        largest_core(len(ordered)))
 
 
 def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> np.ndarray:
@@ -215,13 +216,14 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
     def finish(ordered, placements, devices=None) -> Replan:
         if not isinstance(placements, np.ndarray):
             placements = np.array([np.concatenate(p) for p in placements], dtype=np.int64)
+        counts = fill_counts(placements, old.experts)
         if devices is None:
             # A fill made afresh: replicas it copies to one node while another node copies
             # what the first held go back where they were (swap_back.py), then each rank of
             # a node is played by the GPU of that node that holds most of what it needs.
-            placements = _swapped_back(old, ordered, placements, loads, sources)
+            placements = _swapped_back(old, ordered, placements, counts, loads, sources)
             devices = map_devices(old, ordered, placements)
-        plan = build_plan(ordered, fill_counts(placements, old.experts).tolist(), placements,
+        plan = build_plan(ordered, counts.tolist(), placements,
                           old.experts, old.min_replicas, old.policy, old.generation + 1,
                           reason, max_failures, devices)
         return Replan(plan, plan_transfers(old, plan, sources))
