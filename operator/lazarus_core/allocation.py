@@ -128,27 +128,56 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
         gain = np.where(r_up > 0, t_up / (r_up + np.arange(gaining)), -np.inf)
     gain = gain.reshape(num_layers, -1)
     gain_order = np.argsort(-gain, axis=1, kind="stable")
-    # Donors first, in their tie order; only as many columns as the most donors a layer has.
+    gained = np.take_along_axis(gain, gain_order, axis=1)
+    # Donors in their tie order, and of each window only the levels below its layer's
+    # highest receiver level: no other can be traded (a trade needs a donor level below a
+    # receiver's), and an expert's levels only rise as it gives. Where donors keep the
+    # layer's fewest, that is about a thousand of a layer's 16,000 levels (1,024 GPUs, 58
+    # layers of 256 experts: 28 ms -> 11 ms).
     can = np.maximum(r - keep, 0)
-    down = np.lexsort((ids, t, can == 0))[:, :max(int((can > 0).sum(axis=1).max()), 1)]
-    r_down, t_down, can_down = r[rows, down, None], t[rows, down, None], can[rows, down]
-    j = np.arange(giving)
+    down = np.lexsort((ids, t, can == 0))
+    r_down, t_down, can_down = r[rows, down], t[rows, down], can[rows, down]
+    top = gained[:, :1]
     with np.errstate(divide="ignore", invalid="ignore"):
-        give = np.where(j < can_down[..., None], t_down / (r_down - 1 - j), np.inf)
-    give = give.reshape(num_layers, -1)
-    give_order = np.argsort(give, axis=1, kind="stable")
-    both = min(gain.shape[1], give.shape[1])
-    trades = (np.take_along_axis(give, give_order[:, :both], axis=1)
-              < np.take_along_axis(gain, gain_order[:, :both], axis=1)).sum(axis=1)
+        # Level j is t / (r - 1 - j), below ``top`` where j < r - 1 - t / top: a bound
+        # with a level to spare for rounding, each level checked as computed below.
+        reach = np.clip(np.floor(r_down + 1 - t_down / top), 0, can_down).astype(np.int64)
+    width = gained.shape[1]
+    cut = reach > giving  # windows that may hide levels below ``top``
+    reach = np.minimum(reach, giving)
+    layer, donor = np.nonzero(reach)
+    level = _ranges(reach[layer, donor])
+    layer, donor = np.repeat(layer, reach[layer, donor]), np.repeat(donor, reach[layer, donor])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = t_down[layer, donor] / (r_down[layer, donor] - 1 - level)
+    keep_level = value < top[layer, 0]
+    layer, donor, level, value = (a[keep_level] for a in (layer, donor, level, value))
+    # Visited from the lowest; ties: the donor's tie order, then its own levels (the
+    # order they are listed in: the sort is stable).
+    order = np.lexsort((value, layer))
+    layer, donor, level, value = layer[order], donor[order], level[order], value[order]
+    starts = np.searchsorted(layer, np.arange(num_layers))
+    place = np.arange(len(layer)) - starts[layer]
+    reached = place < width
+    traded = np.zeros(len(layer), dtype=bool)
+    traded[reached] = value[reached] < gained[layer[reached], place[reached]]
+    trades = np.bincount(layer, weights=traded, minlength=num_layers).astype(np.int64)
     gain_place = _places(gain_order).reshape(num_layers, num_experts, gaining)
-    give_place = _places(give_order).reshape(num_layers, -1, giving)
     counts = r.copy()
     counts[rows, up] += (gain_place < trades[:, None, None]).sum(axis=2)
-    counts[rows, down] -= (give_place < trades[:, None, None]).sum(axis=2)
+    given = place < trades[layer]
+    np.subtract.at(counts, (layer[given], down[layer[given], donor[given]]), 1)
     # A window used up within the first trades + 1 may hide the next level that counts.
+    last = cut[layer, donor] & (level == giving - 1) & (place <= trades[layer])
     short = ((gain_place[..., -1] <= trades[:, None]).any(axis=1)
-             | ((give_place[..., -1] <= trades[:, None]) & (can_down > giving)).any(axis=1))
+             | (np.bincount(layer[last], minlength=num_layers) > 0))
     return ~short, counts
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n of ``lengths``, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - lengths, lengths)
 
 
 def _places(order: np.ndarray) -> np.ndarray:
