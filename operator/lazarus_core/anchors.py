@@ -16,9 +16,11 @@ only when none has opens a new core on the nodes with the most room left.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
 
@@ -409,10 +411,12 @@ def _anchor(replicas, weights, order: Sequence[int], family: list[int], slots, l
             for e in kept:
                 if not previous[e] & full:
                     take(e, previous[e])
-    for e in order:
+    queue = [e for e in order if min(replicas[e], n, largest) and not cores[e]]
+    at = 0
+    while at < len(queue):
+        e = queue[at]
+        at += 1
         size = min(replicas[e], n, largest)
-        if size == 0 or cores[e]:
-            continue
         held = holders[e] if holders is not None else 0
         # The smallest core that fits; among those, the one holding most of e already.
         core, smallest, most = None, 0, -1
@@ -440,6 +444,20 @@ def _anchor(replicas, weights, order: Sequence[int], family: list[int], slots, l
             family.append(core)
             family.sort(key=_size_first)
         take(e, core)
+        if holders is None and sharing is None:
+            # The experts after e (as many replicas or more) take this core too until one
+            # of its nodes is full: every core before it in the family is full. Taken at
+            # once (a plan's 58 layers of 256 experts, a few cores each); ``load`` serves
+            # ``_superset`` only, and is left.
+            run = queue[at:at + min(room[i] for i in members(core))]
+            for other in run:
+                cores[other] = core
+            users[core] += len(run)
+            for i in members(core):
+                room[i] -= len(run)
+                if not room[i]:
+                    full |= 1 << i
+            at += len(run)
     return LayerAnchors(tuple(replicas), tuple(cores))
 
 
@@ -485,14 +503,24 @@ def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> L
     """
     load = [0.0] * n
     cores = list(anchors.cores)
-    for size in sorted({c.bit_count() for c in cores if c}):
-        members = sorted((e for e, c in enumerate(cores) if c.bit_count() == size),
-                         key=lambda e: (-weights[e], e))
+    by_size: dict[int, list[int]] = {}
+    for e, c in enumerate(cores):
+        if c:
+            by_size.setdefault(c.bit_count(), []).append(e)
+    for size in sorted(by_size):
+        # Heaviest first, ties by id (a stable sort keeps ids in order, reversed too).
+        members = sorted(by_size[size], key=weights.__getitem__, reverse=True)
         seats = Counter(cores[e] for e in members)
         nodes = {c: nodes_of(c) for c in seats}
         # Each core's busiest node, kept up to date: a deal changes only the cores that
         # share a node with the one dealt to.
         top = {c: max(load[i] for i in nodes[c]) for c in seats}
+        if not any(a & b for a, b in combinations(seats, 2)):
+            _deal_disjoint(members, weights, seats, top, cores)
+            for e in members:
+                for i in nodes[cores[e]]:
+                    load[i] += weights[e]
+            continue
         for e in members:
             core = min((c for c, left in seats.items() if left), key=lambda c: (top[c], c))
             seats[core] -= 1
@@ -503,6 +531,20 @@ def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> L
                 if c & core:
                     top[c] = max(load[i] for i in nodes[c])
     return LayerAnchors(anchors.replicas, tuple(cores))
+
+
+def _deal_disjoint(members: Sequence[int], weights: Sequence[float], seats: Counter,
+                   top: dict[int, float], cores: list[int]) -> None:
+    """``balance_within``'s deal where the cores share no node: a deal then raises only
+    its own core's busiest node, by the expert's weight (every node of the core takes it),
+    so the least loaded core is kept in a heap, ties to the lower mask as before."""
+    heap = [(top[c], c, left) for c, left in seats.items()]
+    heapq.heapify(heap)
+    for e in members:
+        load, core, left = heapq.heappop(heap)
+        cores[e] = core
+        if left > 1:
+            heapq.heappush(heap, (load + weights[e], core, left - 1))
 
 
 def toward_holders(anchors: LayerAnchors, weights: Sequence[float], held: np.ndarray,
