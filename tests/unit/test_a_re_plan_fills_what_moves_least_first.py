@@ -106,8 +106,8 @@ def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, we
 @pytest.mark.parametrize("repaired", [True, False])
 def test_the_repair_is_rescued_before_the_choice_made_afresh(monkeypatch, repaired):
     # 15 nodes x 4 GPUs x 2 slots, E = 16, 3 layers, zipf 0.7-1.3: no option fills within
-    # 1.05 after losing a node; the first search's choice made afresh fills to 1.117 and
-    # moves 88 replicas, the plan's own structure repaired 1.063 and 40.
+    # 1.05 after losing a node; the first search's choice made afresh fills to 1.116 and
+    # moves 109 replicas, the plan's own structure repaired 1.060 and 41.
     if not repaired:
         restructure = solver.restructure
 
@@ -115,11 +115,11 @@ def test_the_repair_is_rescued_before_the_choice_made_afresh(monkeypatch, repair
             options, rescues = restructure(*args, **kwargs)
             return options, rescues[-1:]
         monkeypatch.setattr(solver, "restructure", fresh_rescue_only)
-    balance, moved = re_plan(nodes(15, 4, 2), 16, differing_loads(16, 3, 1.0, 438594764))
+    balance, moved = re_plan(nodes(15, 4, 2), 16, differing_loads(16, 3, 1.0, 774747711))
     if repaired:
         assert balance < 1.07 and moved < 50
     else:  # what the re-plan was before the repair was a rescue
-        assert balance > 1.1 and moved > 80
+        assert balance > 1.1 and moved > 100
 
 
 @pytest.mark.parametrize("rescued", [True, False])

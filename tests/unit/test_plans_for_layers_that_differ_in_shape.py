@@ -1,8 +1,9 @@
 """Fresh plans where layers differ in shape, not only in which expert is hot (each layer its
 own zipf exponent, noise and order): the search ranks its options on one layer, the most
 fragile, which then stands poorly for the others, so a small fresh plan fills more of
-them (``balance.first_balanced``, ``FILL_WORK``), and plans and re-plans fill the first
-search's choice too where they took the second's (``mro.structure``'s rescue)."""
+them (``balance.first_balanced``, ``FILL_WORK``), a fresh plan orders its fills on each
+option's heaviest layer too (``mro._Shape.heavier``), and plans and re-plans fill the
+first search's choice too where they took the second's (``mro.structure``'s rescue)."""
 from __future__ import annotations
 
 import numpy as np
@@ -157,3 +158,34 @@ def test_a_re_plan_falls_back_on_the_first_search(monkeypatch, rescued):
         assert got < 1.5 and new.migration.experts_migrated < 400
     else:
         assert got > 1.6
+
+
+# benchmarks/bench_solver.py's 1,024 GPUs whose layers differ in shape (128 nodes x 8 GPUs
+# x 4 slots, 256 experts, 58 layers of zipf 0.4-1.0): the two options' most fragile layers
+# fill to 1.023 and 1.024, but the first option leaves 12 layers, those of the heaviest
+# replicas, at up to 1.098.
+HEAVY_LAYERS = dict(cluster=nodes(128, 8, 4), experts=256, layers=58,
+                    loads=differing_loads(256, 58, 0.7, 7))
+
+
+@pytest.mark.parametrize("weighed", [True, False])
+def test_an_option_is_weighed_on_its_heaviest_layer_too(monkeypatch, weighed):
+    case = HEAVY_LAYERS
+    if not weighed:  # the most fragile layer alone stands for every layer
+        monkeypatch.setattr(mro._Shape, "heaviest", lambda self, index: None)
+    made = []
+    first_balanced = mro.first_balanced
+
+    def counted(fills, *args, **kwargs):
+        def count(fill):
+            def make():
+                made.append(fill)
+                return fill()
+            return make
+        return first_balanced([count(f) for f in fills], *args, **kwargs)
+    monkeypatch.setattr(mro, "first_balanced", counted)
+    plan = plan_job(case["cluster"], case["experts"], case["layers"], 2, "mro",
+                    case["loads"], max_failures=0)
+    assert busiest_rank(plan, case["loads"]) <= balance.BALANCE_TARGET
+    # Weighed so, the option taken first balances every layer: one fill of all 58 layers.
+    assert len(made) == (1 if weighed else 2)
