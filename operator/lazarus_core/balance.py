@@ -112,7 +112,7 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
     heaviest = np.empty_like(r)
     heaviest[np.arange(num_layers)[:, None], by_weight] = np.arange(num_experts)
     group = layer_of * n + nodes
-    by_node = np.argsort(group * num_experts + heaviest[layer_of, experts], kind="stable")
+    by_node = stable_order(group * num_experts + heaviest[layer_of, experts])
     layer_of, nodes, experts, group = (layer_of[by_node], nodes[by_node], experts[by_node],
                                        group[by_node])
     anchor = is_anchor[by_node]
@@ -173,7 +173,7 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
         slot_of = _slot_table(all_ranks, len(load))
         _exchange(all_ranks, slot_of, weight, homes[-1][0], rank_node, load, rank_slots,
                   num_ranks, homes[-1][1])
-    order = np.argsort(all_ranks, kind="stable")
+    order = stable_order(all_ranks)
     placed = all_experts[order].reshape(num_layers, -1)
     if not trade:
         return placed
@@ -280,7 +280,7 @@ def _redealt(experts: np.ndarray, rank_of_slot: np.ndarray, loads: np.ndarray,
 def _slot_table(ranks: np.ndarray, num_all_ranks: int) -> np.ndarray:
     """[rank, slot]: the replica (index into ``ranks``) in each slot of each rank, -1 for
     none."""
-    order = np.argsort(ranks, kind="stable")
+    order = stable_order(ranks)
     counts = np.bincount(ranks, minlength=num_all_ranks)
     width = int(counts.max()) if len(counts) else 0
     if (counts == width).all():  # every rank full and alike: the sorted order, cut in rows
@@ -466,6 +466,18 @@ def _kept(references: Sequence[np.ndarray], layer_of: np.ndarray, nodes: np.ndar
     kept[at] = _take_in_turn(kept[at], node[at], room[node[at]])
     keep = kept > 0
     return kl[keep], kn[keep], ke[keep], kept[keep]
+
+
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for integer keys in [0, 2**32): two 16-bit digits,
+    which numpy sorts by radix (a plan's 240,000 slots at 1,024 GPUs: 16 ms as 64-bit
+    integers, 3 ms so); other keys as they are."""
+    keys = np.asarray(keys)
+    if not len(keys) or keys.min() < 0 or keys.max() >= 1 << 32:
+        return np.argsort(keys, kind="stable")
+    if keys.max() < 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.lexsort(((keys & 0xFFFF).astype(np.uint16), (keys >> 16).astype(np.uint16)))
 
 
 def nth_in_run(keys: np.ndarray) -> np.ndarray:
