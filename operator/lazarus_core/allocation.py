@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .balance import nth_in_run
+
 
 class InfeasibleError(ValueError):
     """The cluster has too few slots to give every expert ``min_replicas`` replicas."""
@@ -146,8 +148,9 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
     cut = reach > giving  # windows that may hide levels below ``top``
     reach = np.minimum(reach, giving)
     layer, donor = np.nonzero(reach)
-    level = _ranges(reach[layer, donor])
-    layer, donor = np.repeat(layer, reach[layer, donor]), np.repeat(donor, reach[layer, donor])
+    times = reach[layer, donor]
+    layer, donor = np.repeat(layer, times), np.repeat(donor, times)
+    level = nth_in_run(layer * num_experts + donor)
     with np.errstate(divide="ignore", invalid="ignore"):
         value = t_down[layer, donor] / (r_down[layer, donor] - 1 - level)
     keep_level = value < top[layer, 0]
@@ -172,12 +175,6 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
     short = ((gain_place[..., -1] <= trades[:, None]).any(axis=1)
              | (np.bincount(layer[last], minlength=num_layers) > 0))
     return ~short, counts
-
-
-def _ranges(lengths: np.ndarray) -> np.ndarray:
-    """0..n-1 for each n of ``lengths``, concatenated."""
-    ends = np.cumsum(lengths)
-    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - lengths, lengths)
 
 
 def _places(order: np.ndarray) -> np.ndarray:
