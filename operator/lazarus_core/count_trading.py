@@ -195,35 +195,93 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     wb = layer.loads[q] / (r[q] + 1)
     own = (wb - wa) * layer.per_slot[k]  # the move's own rank gains b and sheds a
     pairs, row = np.unique(a * len(w) + q, return_inverse=True)
-    pa, pb = pairs // len(w), pairs % len(w)
-    by_row = np.argsort(row, kind="stable")
-    starts = np.searchsorted(row[by_row], np.arange(len(pairs) + 1))
-    top = np.empty(len(p))
-    held = np.ascontiguousarray(n.T, dtype=np.float64)
-    chunk = max(1, CHUNK // num_ranks)
-    for start in range(0, len(pairs), chunk):
-        end = min(start + chunk, len(pairs))
-        after = _rows_after(layer, held, r, w, load, pa[start:end], pb[start:end])
-        best = after.argmax(axis=1)
-        largest = after[np.arange(len(after)), best]
-        after[np.arange(len(after)), best] = -np.inf
-        second = after.max(axis=1)
-        after[np.arange(len(after)), best] = largest
-        moves = by_row[starts[start]:starts[end]]
-        at = row[moves] - start
-        others = np.where(k[moves] == best[at], second[at], largest[at])
-        top[moves] = np.maximum(others, after[at, k[moves]] + own[moves])
+    rows = _PairRows(layer, n, r, w, load, pairs // len(w), pairs % len(w))
+    after_own = rows.at(row, k)
+    top = np.maximum(rows.without(row, k), after_own + own)
     # Only moves that can be among the ``limit`` best need their sum of squares (the tie
-    # break after the busiest rank): each as its full row.
+    # break after the busiest rank), each from its full row. Which those are is told by
+    # the sums from the changed ranks alone, close to the full row's (another order of
+    # additions): every move that could rank within ``slack`` of them is summed in full.
     squares = np.full(len(p), np.inf)
     cut = np.partition(top, limit - 1)[limit - 1] if len(p) > limit else np.inf
     near = np.flatnonzero(top <= cut)
+    base = float(load @ load)
+    close = (base + rows.squares[row[near]] - after_own[near] ** 2
+             + (after_own[near] + own[near]) ** 2)
+    if len(near) > limit:
+        last = np.lexsort((close, top[near]))[limit - 1]
+        slack = 1e-9 * max(base, float(close.max()))
+        near = near[(top[near] < top[near][last])
+                    | (close <= close[last] + 2 * slack)]
+    held = np.ascontiguousarray(n.T, dtype=np.float64)
+    chunk = max(1, CHUNK // num_ranks)
     for start in range(0, len(near), chunk):
         some = near[start:start + chunk]
         after = _rows_after(layer, held, r, w, load, a[some], q[some])
         after[np.arange(len(after)), k[some]] += own[some]
         squares[some] = (after * after).sum(axis=1)
     return top, squares, p, q
+
+
+class _PairRows:
+    """The rows of rank loads per slot after a replica of ``a[i]`` becomes one of
+    ``b[i]`` (``_rows_after``), from the ranks they change: those holding a or b (a
+    layer's expert is on a few of its thousand ranks); every other rank keeps its load, so
+    only the busiest of those is needed. The same additions as the full row's, so the
+    same values."""
+
+    def __init__(self, layer, n, r, w, load, a, b):
+        num_ranks, num_experts = n.shape
+        by_expert, rank = np.nonzero(n.T)  # expert by expert, ranks in order
+        start = np.searchsorted(by_expert, np.arange(num_experts + 1))
+        size = np.diff(start)
+
+        def ranks_of(e):
+            pair = np.repeat(np.arange(len(e)), size[e])
+            first = np.cumsum(size[e]) - size[e]
+            return pair, rank[np.arange(len(pair)) - first[pair] + start[e][pair]]
+
+        pa, ra = ranks_of(a)
+        pb, rb = ranks_of(b)
+        fresh = n[rb, a[pb]] == 0  # b's ranks that do not hold a already
+        pair = np.concatenate((pa, pb[fresh]))
+        order = np.argsort(pair, kind="stable")
+        self.pair, self.rank = pair[order], np.concatenate((ra, rb[fresh]))[order]
+        self.starts = np.searchsorted(self.pair, np.arange(len(a)))
+        self.layer, self.n, self.load = layer, n, load
+        self.da = layer.loads[a] / (r[a] - 1) - w[a]
+        self.db = layer.loads[b] / (r[b] + 1) - w[b]
+        self.a, self.b = a, b
+        value = self.at(self.pair, self.rank)
+        # Each pair's largest, the rank where it is first, and the next largest.
+        self.largest = np.maximum.reduceat(value, self.starts)
+        is_top = np.flatnonzero(value == self.largest[self.pair])
+        first = is_top[np.unique(self.pair[is_top], return_index=True)[1]]
+        self.top_rank = self.rank[first]
+        rest = value.copy()
+        rest[first] = -np.inf
+        self.second = np.maximum.reduceat(rest, self.starts)
+        # The busiest rank that neither changes: the first of the busiest that holds
+        # neither expert (there are at most as many that hold one as the pair's entries).
+        width = min(int(np.diff(np.append(self.starts, len(self.pair))).max()) + 1,
+                    num_ranks)
+        busiest = np.argsort(-load, kind="stable")[:width]
+        holds = (n[busiest][:, a] > 0) | (n[busiest][:, b] > 0)  # [rank, pair]
+        self.unchanged = np.where(holds.all(axis=0), -np.inf,
+                                  load[busiest][np.argmin(holds, axis=0)])
+        # Sums of squares from the changed ranks: the full row's, less what they had.
+        self.squares = np.add.reduceat(value * value - load[self.rank] ** 2, self.starts)
+
+    def at(self, i, rank):
+        """Pair i's row at ``rank``."""
+        a, b, per_slot = self.a[i], self.b[i], self.layer.per_slot[rank]
+        return ((self.n[rank, a] * self.da[i] + self.n[rank, b] * self.db[i]) * per_slot
+                + self.load[rank])
+
+    def without(self, i, rank):
+        """The largest of pair i's row but at ``rank`` (one of those that change)."""
+        changed = np.where(rank == self.top_rank[i], self.second[i], self.largest[i])
+        return np.maximum(changed, self.unchanged[i])
 
 
 def _rows_after(layer, held, r, w, load, a, b):

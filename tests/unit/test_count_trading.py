@@ -114,12 +114,19 @@ def test_retargets_score_every_move_as_its_full_row_of_rank_loads(data):
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:ct.TOP_RANKS]
     top, squares, p, q = ct._retargets(layer, experts, pinned, n, r, w, load, busy, limit)
+    full = np.empty(len(p))
     for i in range(len(p)):
         after = experts.copy()
         after[p[i]] = q[i]
         row = rank_loads(after, ranks, loads, num_ranks) / per_rank
+        full[i] = row @ row
         assert top[i] == pytest.approx(row.max(), rel=1e-12)
         if np.isfinite(squares[i]):
-            assert squares[i] == pytest.approx(row @ row, rel=1e-12)
-    # Every move among the ``limit`` best by (busiest, sum of squares) has its sum.
-    assert np.isfinite(squares[np.lexsort((squares, top))[:limit]]).all()
+            assert squares[i] == pytest.approx(full[i], rel=1e-12)
+    # Every move among the ``limit`` best by (busiest, sum of squares) has its sum, and no
+    # move left unsummed would have ranked before the last of them.
+    best = np.lexsort((squares, top))[:limit]
+    assert np.isfinite(squares[best]).all()
+    last = best[-1] if len(best) else None
+    for i in np.flatnonzero(~np.isfinite(squares)):
+        assert top[i] > top[last] or full[i] >= squares[last] * (1 - 1e-12)
