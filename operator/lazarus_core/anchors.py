@@ -507,7 +507,8 @@ def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> L
     for e, c in enumerate(cores):
         if c:
             by_size.setdefault(c.bit_count(), []).append(e)
-    for size in sorted(by_size):
+    sizes = sorted(by_size)
+    for size in sizes:
         # Heaviest first, ties by id (a stable sort keeps ids in order, reversed too).
         members = sorted(by_size[size], key=weights.__getitem__, reverse=True)
         seats = Counter(cores[e] for e in members)
@@ -517,9 +518,10 @@ def balance_within(anchors: LayerAnchors, weights: Sequence[float], n: int) -> L
         top = {c: max(load[i] for i in nodes[c]) for c in seats}
         if not any(a & b for a, b in combinations(seats, 2)):
             _deal_disjoint(members, weights, seats, top, cores)
-            for e in members:
-                for i in nodes[cores[e]]:
-                    load[i] += weights[e]
+            if size != sizes[-1]:  # node loads matter only to the sizes still to deal
+                for e in members:
+                    for i in nodes[cores[e]]:
+                        load[i] += weights[e]
             continue
         for e in members:
             core = min((c for c, left in seats.items() if left), key=lambda c: (top[c], c))
