@@ -195,7 +195,7 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     wb = layer.loads[q] / (r[q] + 1)
     own = (wb - wa) * layer.per_slot[k]  # the move's own rank gains b and sheds a
     pairs, row = np.unique(a * len(w) + q, return_inverse=True)
-    rows = _PairRows(layer, n, r, w, load, pairs // len(w), pairs % len(w))
+    rows = _PairRows(layer, x, n, r, w, load, pairs // len(w), pairs % len(w))
     after_own = rows.at(row, k)
     top = np.maximum(rows.without(row, k), after_own + own)
     # Only moves that can be among the ``limit`` best need their sum of squares (the tie
@@ -213,11 +213,10 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
         slack = 1e-9 * max(base, float(close.max()))
         near = near[(top[near] < top[near][last])
                     | (close <= close[last] + 2 * slack)]
-    held = np.ascontiguousarray(n.T, dtype=np.float64)
     chunk = max(1, CHUNK // num_ranks)
     for start in range(0, len(near), chunk):
         some = near[start:start + chunk]
-        after = _rows_after(layer, held, r, w, load, a[some], q[some])
+        after = _rows_after(layer, n, r, w, load, a[some], q[some])
         after[np.arange(len(after)), k[some]] += own[some]
         squares[some] = (after * after).sum(axis=1)
     return top, squares, p, q
@@ -230,9 +229,11 @@ class _PairRows:
     only the busiest of those is needed. The same additions as the full row's, so the
     same values."""
 
-    def __init__(self, layer, n, r, w, load, a, b):
+    def __init__(self, layer, x, n, r, w, load, a, b):
         num_ranks, num_experts = n.shape
-        by_expert, rank = np.nonzero(n.T)  # expert by expert, ranks in order
+        # (expert, rank) where the rank holds the expert, expert by expert, ranks in order.
+        held = np.unique(x * num_ranks + layer.rank_of_slot)
+        by_expert, rank = held // num_ranks, held % num_ranks
         start = np.searchsorted(by_expert, np.arange(num_experts + 1))
         size = np.diff(start)
 
@@ -284,15 +285,15 @@ class _PairRows:
         return np.maximum(changed, self.unchanged[i])
 
 
-def _rows_after(layer, held, r, w, load, a, b):
+def _rows_after(layer, n, r, w, load, a, b):
     """[move, rank]: every rank's load per slot once a replica of a becomes one of b, but
-    for the rank of the replica that changes (it gains b and sheds a: ``own``).
-    ``held[e, rank]``: replicas of e on each rank, as floats (rows gather faster than the
-    columns of [rank, expert] counts; the same sums in the same order)."""
+    for the rank of the replica that changes (it gains b and sheds a: ``own``);
+    ``n[rank, e]``: replicas of e on each rank."""
     wa = layer.loads[a] / (r[a] - 1)
     wb = layer.loads[b] / (r[b] + 1)
-    out = held[a] * (wa - w[a])[:, None]
-    out += held[b] * (wb - w[b])[:, None]
+    # Rows of n.T: a [move, rank] array in row order, so each row is summed alike.
+    out = n.T[a] * (wa - w[a])[:, None]
+    out += n.T[b] * (wb - w[b])[:, None]
     out *= layer.per_slot
     out += load
     return out
