@@ -126,7 +126,8 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
             out.append(LayerAnchors(tuple(replicas), tuple(cores)))
         else:
             out.append((spread and anchor_evenly(replicas, weights[li], slots))
-                       or anchor_greedily(replicas, weights[li], family, slots, largest))
+                       or anchor_greedily(replicas, weights[li], family, slots, largest,
+                                          order=experts))
     return out
 
 
@@ -141,8 +142,8 @@ def _ranked(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]]
 
 
 def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: Sequence[int],
-                    slots: Sequence[int], largest: int, sharing: int | None = None
-                    ) -> LayerAnchors:
+                    slots: Sequence[int], largest: int, sharing: int | None = None,
+                    order: Sequence[int] | None = None) -> LayerAnchors:
     """Anchors for one layer: each expert, fewest replicas first, on the smallest of
     ``family``'s cores that it can cover and that has room, or on a new core (the nodes with
     the most room left) when none has; then balanced within (``balance_within``).
@@ -152,9 +153,12 @@ def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: S
     more than ``sharing`` experts, when given: the cold experts then spread over more cores,
     which often costs fatal sets but leaves their nodes room for heavier replicas (``mro.py``
     tries so where the recovery-best structure leaves the ranks out of balance, and takes it
-    only if it recovers as well).
+    only if it recovers as well). ``order``: the experts in ``_ranked`` order, where the
+    caller ranked every layer at once.
     """
-    anchors = _anchor(replicas, weights, _ranked([replicas], [weights])[0],
+    if order is None:
+        order = _ranked([replicas], [weights])[0]
+    anchors = _anchor(replicas, weights, order,
                       sorted(family, key=_size_first), slots, largest, sharing=sharing)
     return balance_within(anchors, weights, len(slots))
 

@@ -376,7 +376,10 @@ class _Shape:
     def weighed(self, replicas):
         """Per-replica loads, and the most fragile layer (fewest replicas, coldest first)."""
         weights = per_replica(replicas, self.loads).tolist()
-        probe = min(range(len(replicas)), key=lambda li: (sorted(replicas[li]), li))
+        # The least of the layers' sorted counts, lexicographically, the first of equals:
+        # its first count the primary key.
+        fewest = np.sort(np.asarray(replicas, dtype=np.int64), axis=1)
+        probe = int(np.lexsort(fewest.T[::-1])[0])
         return weights, probe
 
     def balance_of(self, anchors: LayerAnchors, probe: int) -> float:
