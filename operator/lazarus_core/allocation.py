@@ -24,6 +24,10 @@ class InfeasibleError(ValueError):
 # A share that lands a hair under an integer (2.9999999999 for 3) must floor to that integer.
 _FLOOR_SLACK = 1e-9
 
+# A first pass lists a layer's donor levels under a lower cut (``_cutoff``) where more than
+# this many are under its highest receiver level.
+MANY_LEVELS = 256
+
 
 def allocate_replicas(loads: Sequence[float], total_slots: int, min_replicas: int) -> list[int]:
     """Replica count per expert (expert-id order) for one layer."""
@@ -106,19 +110,20 @@ def even_out(replicas: Sequence[Sequence[int]], loads: Sequence[Sequence[float]]
     floor = np.broadcast_to(np.asarray(keep, dtype=np.int64).reshape(-1, 1), r.shape)
     out = r.copy()
     todo = np.flatnonzero(t.sum(axis=1) > 0)
-    gaining, giving = 2, 64
+    gaining, giving, first = 2, 64, True
     while len(todo):
-        done, counts = _traded(r[todo], t[todo], floor[todo], gaining, giving)
+        done, counts = _traded(r[todo], t[todo], floor[todo], gaining, giving, first)
         out[todo[done]] = counts[done]
         todo = todo[~done]
-        gaining, giving = 4 * gaining, 4 * giving
+        gaining, giving, first = 4 * gaining, 4 * giving, False
     return out.tolist()
 
 
-def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving: int
-            ) -> tuple[np.ndarray, np.ndarray]:
+def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving: int,
+            first: bool) -> tuple[np.ndarray, np.ndarray]:
     """``even_out``'s counts for every layer, with ``gaining`` levels of each
-    receiver and ``giving`` of each donor, and which layers those windows decide."""
+    receiver and ``giving`` of each donor, and which layers those windows decide (on a
+    ``first`` pass, donor levels listed only below ``_cutoff``)."""
     num_layers, num_experts = r.shape
     rows = np.arange(num_layers)[:, None]
     ids = np.broadcast_to(np.arange(num_experts), r.shape)
@@ -144,6 +149,15 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
         # Level j is t / (r - 1 - j), below ``top`` where j < r - 1 - t / top: a bound
         # with a level to spare for rounding, each level checked as computed below.
         reach = np.clip(np.floor(r_down + 1 - t_down / top), 0, can_down).astype(np.int64)
+    below = top
+    many = np.flatnonzero(np.minimum(reach, giving).sum(axis=1) > MANY_LEVELS) if first else []
+    if len(many):
+        below = top.copy()
+        below[many] = _cutoff(gained[many], r_down[many], t_down[many],
+                              np.minimum(can_down[many], giving))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            reach[many] = np.clip(np.floor(r_down[many] + 1 - t_down[many] / below[many]), 0,
+                                  can_down[many])
     width = gained.shape[1]
     cut = reach > giving  # windows that may hide levels below ``top``
     reach = np.minimum(reach, giving)
@@ -153,7 +167,7 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
     level = nth_in_run(layer * num_experts + donor)
     with np.errstate(divide="ignore", invalid="ignore"):
         value = t_down[layer, donor] / (r_down[layer, donor] - 1 - level)
-    keep_level = value < top[layer, 0]
+    keep_level = value < below[layer, 0]
     layer, donor, level, value = (a[keep_level] for a in (layer, donor, level, value))
     # Visited from the lowest; ties: the donor's tie order, then its own levels (the
     # order they are listed in: the sort is stable).
@@ -174,7 +188,36 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
     last = cut[layer, donor] & (level == giving - 1) & (place <= trades[layer])
     short = ((gain_place[..., -1] <= trades[:, None]).any(axis=1)
              | (np.bincount(layer[last], minlength=num_layers) > 0))
+    # Below a cut under ``top``, a layer that traded every level listed may trade more.
+    short |= (below[:, 0] < top[:, 0]) & (trades >= np.bincount(layer, minlength=num_layers))
     return ~short, counts
+
+
+def _cutoff(gained: np.ndarray, r: np.ndarray, t: np.ndarray, most: np.ndarray
+            ) -> np.ndarray:
+    """[layer, 1]: a receiver level g_j (``gained[:, j]``, the j-th highest) under which
+    the donors (counts ``r``, loads ``t``, at most ``most`` levels each) surely have more
+    than 2j + 8 levels, the lowest of a few such; the highest level where none is.
+
+    The trades stop by then: a donor level D_i at or above g_j that still trades is below
+    the receiver level G_i, so G_i > g_j and i < j; with m levels below g_j and m > j, no
+    trade is past the m-th (the first of them at or above g_j). The margin leaves the
+    trades short of that level as a rule, and ``_traded`` does again the layers where they
+    reach it. Where donors keep a layer's fewest, about an eighth of the levels under the
+    highest are listed (1,024 GPUs, 58 layers of 256 experts: ~750 -> ~270 a layer,
+    13.0 -> 9.9 ms)."""
+    at = np.array([j for j in (256, 128, 64, 32, 16, 8) if j < gained.shape[1]], dtype=np.int64)
+    if not len(at):
+        return gained[:, :1]
+    level = gained[:, at]  # [layer, candidate]
+    real = level > 0  # not a receiver's padding (-inf)
+    # Levels of each donor surely below: j < r - 1 - t / level, one fewer for rounding.
+    sure = np.ceil(r[:, :, None] - 2 - t[:, :, None] / np.where(real, level, np.inf)[:, None, :])
+    listed = np.clip(sure, 0, most[:, :, None]).sum(axis=1)
+    fits = real & (listed > 2 * at + 8)
+    pick = np.argmax(fits, axis=1)  # the first that fits: the lowest level
+    return np.where(fits.any(axis=1), level[np.arange(len(level)), pick],
+                    gained[:, 0])[:, None]
 
 
 def _places(order: np.ndarray) -> np.ndarray:

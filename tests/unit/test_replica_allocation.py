@@ -1,8 +1,10 @@
 import math
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from lazarus_core import allocation
 from lazarus_core.allocation import InfeasibleError, allocate_replicas
 
 loads_st = st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=40)
@@ -110,7 +112,11 @@ def test_evening_out_is_the_step_by_step_trade(data):
     keep = data.draw(st.one_of(st.sampled_from([nodes, 1, f]),
                                st.lists(st.integers(1, 12), min_size=len(layers),
                                         max_size=len(layers))))
-    got = even_out(replicas, layers, keep)
+    # Small layers rarely list enough donor levels for the lower cut: half the examples
+    # take it on every layer.
+    with mock.patch.object(allocation, "MANY_LEVELS",
+                           0 if data.draw(st.booleans()) else allocation.MANY_LEVELS):
+        got = even_out(replicas, layers, keep)
     each = [keep] * len(layers) if isinstance(keep, int) else keep
     assert got == [_even_out_step_by_step(r, t, k) for r, t, k in zip(replicas, layers, each)]
     assert [sum(r) for r in got] == [sum(r) for r in replicas]
@@ -125,3 +131,17 @@ def test_evening_out_widens_its_windows_where_one_expert_trades_many_times():
     got = even_out([replicas], [loads], 1)[0]
     assert got == _even_out_step_by_step(replicas, loads, 1)
     assert replicas[0] - got[0] > 64 and max(got[1:]) - 1 > 2
+
+
+def test_evening_out_below_a_lower_cut_is_the_step_by_step_trade():
+    # Donors keeping the layer's fewest list about 750 levels under the highest receiver
+    # level here (1,024 GPUs' slots, 256 experts): the first pass lists those under a
+    # lower receiver level, and its trades are still the step-by-step ones.
+    from lazarus_sim.workload import differing_loads
+    loads = differing_loads(256, 4, 0.7, 7)
+    replicas = allocation.allocate_many(loads, 4096, 2)
+    keep = [min(r) for r in replicas]
+    with mock.patch.object(allocation, "_cutoff", wraps=allocation._cutoff) as cut:
+        got = allocation.even_out(replicas, loads, keep)
+    assert cut.called
+    assert got == [_even_out_step_by_step(r, t, k) for r, t, k in zip(replicas, loads, keep)]
