@@ -146,13 +146,14 @@ def _evened(layers: Sequence[Sequence[int]], loads: Sequence[Sequence[float]],
     12 layers at 1.08-1.10). Each is a variant of its own: the search weighs recovery, and
     a structure for counts evened so far may recover less than what it would pick
     otherwise."""
-    per_node = even_out(layers, loads, nodes)
-    counts, t = np.asarray(per_node), np.asarray(loads, dtype=np.float64)
-    heavy = (per_replica(per_node, loads).max(axis=1)
+    t = np.asarray(loads, dtype=np.float64)
+    per_node = even_out(layers, t, nodes)
+    counts = np.asarray(per_node)
+    heavy = (per_replica(counts, t).max(axis=1)
              > BALANCE_TARGET * t.sum(axis=1) / counts.sum(axis=1))
     if not (heavy & (counts.max(axis=1) <= nodes)).any():
         return [per_node]
-    return [per_node, even_out(layers, loads, [min(r) for r in layers])]
+    return [per_node, even_out(layers, t, [min(r) for r in layers])]
 
 
 def per_replica(replicas, loads) -> np.ndarray:
@@ -349,6 +350,7 @@ class _Shape:
                 if traded not in self.variants:
                     self.variants.append(traded)
         self.slots, self.loads, self.ranks_per_node = slots, loads, ranks_per_node
+        self.load_array = np.asarray(loads, dtype=np.float64)  # converted once
         self.k = scored_failures(len(slots))
         self.largest = largest_core(len(slots))
         self.templates: dict[tuple[int, int], LayerAnchors] = {}  # see ``structure_of``
@@ -375,10 +377,11 @@ class _Shape:
 
     def weighed(self, replicas):
         """Per-replica loads, and the most fragile layer (fewest replicas, coldest first)."""
-        weights = per_replica(replicas, self.loads).tolist()
+        counts = np.asarray(replicas, dtype=np.int64)
+        weights = per_replica(counts, self.load_array).tolist()
         # The least of the layers' sorted counts, lexicographically, the first of equals:
         # its first count the primary key.
-        fewest = np.sort(np.asarray(replicas, dtype=np.int64), axis=1)
+        fewest = np.sort(counts, axis=1)
         probe = int(np.lexsort(fewest.T[::-1])[0])
         return weights, probe
 
@@ -711,7 +714,7 @@ class _Shape:
         not: layers alike in shape, rotated loads, have one ratio)."""
         if index not in self.heaviest_layers:
             counts = np.asarray(self.variants[index], dtype=np.float64)
-            t = np.asarray(self.loads, dtype=np.float64)
+            t = self.load_array
             ratio = per_replica(counts, t).max(axis=1) * counts.sum(axis=1) / t.sum(axis=1)
             _, probe = self.weighed_variant(index)
             layer = int(ratio.argmax())
