@@ -128,8 +128,10 @@ def _ranked_moves(layer: _Layer, x: np.ndarray, pinned: np.ndarray, limit: int):
     retargets slot p to expert q, kind 1 swaps slots p and q."""
     num_ranks, num_experts = len(layer.rank_node), len(layer.loads)
     r = np.bincount(x, minlength=num_experts)
-    n = np.bincount(layer.rank_of_slot * num_experts + x,
-                    minlength=num_ranks * num_experts).reshape(num_ranks, num_experts)
+    # [rank, expert] counts, as 16-bit integers: a 1,024-rank layer's are 262,144, and 64-bit
+    # ones (``np.bincount``'s) are fresh memory eight times the size on every call.
+    n = np.zeros((num_ranks, num_experts), dtype=np.uint16)
+    np.add.at(n, (layer.rank_of_slot, x), 1)
     w = np.divide(layer.loads, r, out=np.zeros_like(layer.loads), where=r > 0)
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:TOP_RANKS]
