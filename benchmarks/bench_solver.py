@@ -20,8 +20,9 @@ nodes keep their identities (identity mapping). A loss is 4 nodes chosen at rand
 draws, the same for both); moves are averaged over every draw, and a draw where some expert
 lost every replica (only a checkpoint restores it) is counted apart.
 
-Times are CPU time of this process (median of ``--repeats``); "lazarus plan" rows run the
-command line as a whole process. Memory is the peak Python allocation while planning
+Times are CPU time of this process (median of ``--repeats``), its malloc set as the operator
+and the command line set theirs (``lazarus_core.malloc.keep_plan_heap``); "lazarus plan"
+rows run the command line as a whole process. Memory is the peak Python allocation while planning
 (tracemalloc), and for the command line the peak resident size. The last column is the
 target of issue 18 where it sets one.
 """
@@ -44,6 +45,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 from lazarus_core.balance import busiest_rank  # noqa: E402
+from lazarus_core.malloc import keep_plan_heap  # noqa: E402
 from lazarus_core.migration import holdings, plan_transfers  # noqa: E402
 from lazarus_core.anchor_search import best_anchors, cores_key, scored_failures  # noqa: E402
 from lazarus_core.mro import per_replica  # noqa: E402
@@ -258,6 +260,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draws", type=int, default=8)
     args = parser.parse_args()
+    keep_plan_heap()
     rows = []
     for name, cfg in CASES.items():
         rows += run_case(name, cfg, args.repeats, args.draws)

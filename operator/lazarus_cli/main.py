@@ -5,6 +5,8 @@ import argparse
 import importlib
 import sys
 
+from lazarus_core.malloc import keep_plan_heap
+
 # Each command is the module lazarus_cli.<name>_command, with register(subparsers).
 COMMANDS = ("plan", "run", "simulate")
 
@@ -32,6 +34,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    keep_plan_heap()
     # The command comes first (there are no global options but --help).
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     try:

@@ -8,9 +8,10 @@ import random
 import kopf
 from prometheus_client import start_http_server
 
+from lazarus_core.malloc import keep_plan_heap, limit_malloc_arenas
+
 from . import handlers  # noqa: F401  (registers the kopf handlers)
 from .builders import COORDINATOR_PORT
-from .memory import limit_malloc_arenas
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     limit_malloc_arenas()  # before any thread starts
+    keep_plan_heap()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
