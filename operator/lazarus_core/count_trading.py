@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Work one trade may do, in rank loads computed (a retarget costs a row of them, a swap
-# one), over all its climbs, and all the layers of one fill together (each an equal share,
+# Work one trade may do, in rank loads (a retarget costs a row of them, a swap one: the
+# units it was measured in, though a retarget is now scored from the ranks it changes),
+# over all its climbs, and all the layers of one fill together (each an equal share,
 # at most the first): a re-plan after losing half of 1,024 GPUs traded 58 layers, each to
 # its own bound, in 16 s (7 s shared at 8 million). Small clusters use a few percent of
 # either (the balance sweep's largest trade: 0.6 million). A fresh fill trades its layer
@@ -272,7 +273,7 @@ class _PairRows:
         holds = (n[busiest][:, a] > 0) | (n[busiest][:, b] > 0)  # [rank, pair]
         self.unchanged = np.where(holds.all(axis=0), -np.inf,
                                   load[busiest][np.argmin(holds, axis=0)])
-        # Sums of squares from the changed ranks: the full row's, less what they had.
+        # What each pair changes in the sum of squares of the row, from the ranks it changes.
         self.squares = np.add.reduceat(value * value - load[self.rank] ** 2, self.starts)
 
     def at(self, i, rank):
