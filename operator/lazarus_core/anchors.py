@@ -415,7 +415,8 @@ def _anchor(replicas, weights, order: Sequence[int], family: list[int], slots, l
             for e in kept:
                 if not previous[e] & full:
                     take(e, previous[e])
-    queue = [e for e in order if min(replicas[e], n, largest) and not cores[e]]
+    # Every expert with replicas still to anchor (on min(replicas, n, largest) nodes each).
+    queue = [e for e in order if replicas[e] and not cores[e]] if n and largest else []
     at = 0
     while at < len(queue):
         e = queue[at]
