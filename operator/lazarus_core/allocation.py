@@ -211,8 +211,11 @@ def _cutoff(gained: np.ndarray, r: np.ndarray, t: np.ndarray, most: np.ndarray
         return gained[:, :1]
     level = gained[:, at]  # [layer, candidate]
     real = level > 0  # not a receiver's padding (-inf)
-    # Levels of each donor surely below: j < r - 1 - t / level, one fewer for rounding.
-    sure = np.ceil(r[:, :, None] - 2 - t[:, :, None] / np.where(real, level, np.inf)[:, None, :])
+    # Levels of each donor surely below: j < r - 1 - t / level, one fewer for rounding (a
+    # level so small that t / level overflows has none below it).
+    with np.errstate(over="ignore"):
+        sure = np.ceil(r[:, :, None] - 2
+                       - t[:, :, None] / np.where(real, level, np.inf)[:, None, :])
     listed = np.clip(sure, 0, most[:, :, None]).sum(axis=1)
     fits = real & (listed > 2 * at + 8)
     pick = np.argmax(fits, axis=1)  # the first that fits: the lowest level

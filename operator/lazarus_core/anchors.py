@@ -20,7 +20,7 @@ import heapq
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import chain, combinations
 
 import numpy as np
 
@@ -48,9 +48,9 @@ def anchored_replicas(layers: Sequence[LayerAnchors]) -> np.ndarray:
     """One row (layer, node, expert) per anchored replica of every layer, in (layer, expert,
     node) order."""
     experts = len(layers[0].cores) if layers else 1
-    index: dict[int, int] = {}
-    which = np.array([index.setdefault(c, len(index)) for a in layers for c in a.cores],
-                     dtype=np.int64)
+    every = list(chain.from_iterable(a.cores for a in layers))
+    index = {c: i for i, c in enumerate(dict.fromkeys(every))}  # in order of first use
+    which = np.fromiter(map(index.__getitem__, every), dtype=np.int64, count=len(every))
     # Each distinct core's nodes, padded with -1 to the widest: one gather for all pairs
     # (a boolean [pair, node] matrix is most of a re-plan's anchors at 1,024 GPUs).
     members = [nodes_of(c) for c in index]

@@ -61,6 +61,8 @@ REDEALS = 3
 # Only the busiest ranks matter (the busiest sets the step time): pair this many at most.
 MAX_PAIRS = 64
 STALLED_ROUNDS = 8
+# Rows (layers at work) from which a swap round orders only each row's two ends (``_ends``).
+PARTIAL_ROWS = 8
 
 
 def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
@@ -332,9 +334,8 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
             return
         # Only the layers still at work are sorted (most stop within a few rounds).
         at_work = np.flatnonzero(active)
-        by_load = np.argsort(per_slot[at_work], axis=1, kind="stable")
-        heavy = (by_load[:, ::-1][:, :pairs] + base[at_work])
-        light = (by_load[:, (np.arange(pairs) + t) % half] + base[at_work])
+        heavy, light = _ends(per_slot[at_work], pairs, (np.arange(pairs) + t) % half)
+        heavy, light = heavy + base[at_work], light + base[at_work]
         busy = per_slot.ravel()[heavy] > (enough * mean[at_work])[:, None]
         heavy, light = heavy[busy], light[busy]
         xh, xl = slot_of[heavy], slot_of[light]
@@ -364,6 +365,28 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
         load[light] += delta
         ranks[x], ranks[y] = light, heavy
         slot_of[heavy, a], slot_of[light, b] = y, x
+
+
+
+def _ends(x: np.ndarray, top: int, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row by row, where a stable argsort of ``x`` would put them: the ``top`` largest,
+    largest first (of equals, the later index first), and the elements at ``places``
+    (ascending order). Rows of a thousand ranks need only their two ends ordered: what
+    passes each end's cut (np.partition), ties included, is sorted, and the rest not."""
+    rows, width = x.shape
+    low = int(places.max()) + 1
+    if rows < PARTIAL_ROWS or low + top >= width:
+        order = np.argsort(x, axis=1, kind="stable")
+        return order[:, ::-1][:, :top], order[:, places]
+    cuts = np.partition(x, (low - 1, width - top), axis=1)
+    row, col = np.nonzero(x <= cuts[:, low - 1:low])  # row by row, columns in order
+    order = np.lexsort((x[row, col], row))
+    keep = nth_in_run(row[order]) < low
+    lightest = col[order][keep].reshape(rows, low)
+    row, col = np.nonzero(x >= cuts[:, width - top:width - top + 1])
+    order = np.lexsort((-col, -x[row, col], row))
+    keep = nth_in_run(row[order]) < top
+    return col[order][keep].reshape(rows, top), lightest[:, places]
 
 
 def _redeal(ranks: np.ndarray, weights: np.ndarray, ranks_per_node: np.ndarray,
