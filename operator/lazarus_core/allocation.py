@@ -159,7 +159,7 @@ def _traded(r: np.ndarray, t: np.ndarray, keep: np.ndarray, gaining: int, giving
             reach[many] = np.clip(np.floor(r_down[many] + 1 - t_down[many] / below[many]), 0,
                                   can_down[many])
     width = gained.shape[1]
-    cut = reach > giving  # windows that may hide levels below ``top``
+    cut = reach > giving  # windows that may hide levels below ``below``
     reach = np.minimum(reach, giving)
     layer, donor = np.nonzero(reach)
     times = reach[layer, donor]

@@ -367,7 +367,6 @@ def _exchange(ranks: np.ndarray, slot_of: np.ndarray, weights: np.ndarray, home:
         slot_of[heavy, a], slot_of[light, b] = y, x
 
 
-
 def _ends(x: np.ndarray, top: int, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row by row, where a stable argsort of ``x`` would put them: the ``top`` largest,
     largest first (of equals, the later index first), and the elements at ``places``

@@ -345,12 +345,12 @@ class _Shape:
         self.trade = loads is not None
         if loads is None:
             loads = [[1.0] * len(r) for r in layers]
-        else:
-            for traded in _evened(layers, loads, len(slots)):
+        self.load_array = np.asarray(loads, dtype=np.float64)  # converted once
+        if self.trade:
+            for traded in _evened(layers, self.load_array, len(slots)):
                 if traded not in self.variants:
                     self.variants.append(traded)
         self.slots, self.loads, self.ranks_per_node = slots, loads, ranks_per_node
-        self.load_array = np.asarray(loads, dtype=np.float64)  # converted once
         self.k = scored_failures(len(slots))
         self.largest = largest_core(len(slots))
         self.templates: dict[tuple[int, int], LayerAnchors] = {}  # see ``structure_of``
