@@ -29,6 +29,26 @@ _FLOOR_SLACK = 1e-9
 MANY_LEVELS = 256
 
 
+def measured_loads(loads) -> np.ndarray:
+    """Expert loads as the solver weighs them, [layer, expert] (a new array): every load
+    a finite number >= 0 and every layer's sum finite, or ValueError; a layer with no
+    traffic measured yet (every load 0) has its experts equal."""
+    finite = ValueError("loads: every expert load must be a finite number >= 0")
+    try:
+        t = np.array(loads, dtype=np.float64)
+    except OverflowError:  # an integer past the largest float
+        raise finite from None
+    if not (np.isfinite(t).all() and (t >= 0).all()):
+        raise finite
+    with np.errstate(over="ignore"):
+        sums = t.sum(axis=1)
+    if not np.isfinite(sums).all():
+        raise ValueError(f"loads: layer {int(np.flatnonzero(~np.isfinite(sums))[0])}'s loads "
+                         "sum past the largest float; scale every load down alike")
+    t[sums <= 0] = 1.0
+    return t
+
+
 def allocate_replicas(loads: Sequence[float], total_slots: int, min_replicas: int) -> list[int]:
     """Replica count per expert (expert-id order) for one layer."""
     return allocate_many([loads], total_slots, min_replicas)[0]
@@ -40,7 +60,7 @@ def allocate_many(loads: Sequence[Sequence[float]], total_slots: int,
     order, so the layers go side by side (a re-plan of 58 layers x 256 experts spent 5 ms
     in a Python loop per layer). Same arithmetic, in the same order, as one layer at a
     time."""
-    t = np.asarray(loads, dtype=np.float64)
+    t = measured_loads(loads)
     if t.ndim != 2 or t.shape[1] == 0:
         raise ValueError("experts: need at least one expert")
     num_layers, num_experts = t.shape
@@ -53,9 +73,6 @@ def allocate_many(loads: Sequence[Sequence[float]], total_slots: int,
             + (f", or lower min_replicas to {total_slots // num_experts}"
                if total_slots >= num_experts else "")
         )
-    if not (np.isfinite(t).all() and (t >= 0).all()):
-        raise ValueError("loads: every expert load must be a finite number >= 0")
-    t[t.sum(axis=1) <= 0] = 1.0  # no traffic measured yet: treat experts as equal
 
     order = np.argsort(t, axis=1, kind="stable")  # least loaded first, ties by expert id
     ranked = np.take_along_axis(t, order, axis=1)

@@ -9,7 +9,7 @@ from functools import reduce
 
 import numpy as np
 
-from .allocation import allocate_many
+from .allocation import allocate_many, measured_loads
 from .anchors import anchors_of_presence, even_cover_masks, nodes_of
 from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
                         plan_transfers)
@@ -67,15 +67,23 @@ def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int]) ->
 
 def allocate_layers(loads: Sequence[Sequence[float]] | None, layers: int, experts: int,
                     total_slots: int, min_replicas: int) -> list[list[int]]:
+    """Replica counts per layer (the loads ``checked_loads`` already; equal without)."""
     if loads is None:
         loads = [[1.0] * experts] * layers
-    check_loads(loads, layers, experts)
     return allocate_many(loads, total_slots, min_replicas)
 
 
-def check_loads(loads: Sequence[Sequence[float]], layers: int, experts: int) -> None:
+def checked_loads(loads: Sequence[Sequence[float]] | None, layers: int,
+                  experts: int) -> Sequence[Sequence[float]] | None:
+    """``loads`` as the solver takes them (``allocation.measured_loads``): the loads given,
+    or where some layer has no traffic yet, a copy with that layer's experts equal (every
+    step that weighs replicas then sees the same loads the allocation did)."""
+    if loads is None:
+        return None
     if len(loads) != layers or any(len(l) != experts for l in loads):
         raise ValueError(f"loads: need {layers} layers x {experts} experts of load")
+    t = measured_loads(loads)
+    return loads if all(any(layer) for layer in loads) else t.tolist()
 
 
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
@@ -91,6 +99,7 @@ def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas:
 def layout(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
            policy: str, loads: Sequence[Sequence[float]] | None):
     """Node order, replicas per layer and placements: a plan before it has node identities."""
+    loads = checked_loads(loads, layers, experts)
     ordered, replicas = _positions(nodes, experts, layers, min_replicas, loads)
     slots, gpus = [n.slots for n in ordered], [n.gpus for n in ordered]
     if policy != "mro":
@@ -228,6 +237,7 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
                           reason, max_failures, devices)
         return Replan(plan, plan_transfers(old, plan, sources))
 
+    loads = checked_loads(loads, len(old.layers), old.experts)
     if old.policy != "mro":
         positions, _, placements = layout(nodes, old.experts, len(old.layers),
                                           old.min_replicas, old.policy, loads)
@@ -235,8 +245,6 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
         # Position q keeps its slots and zone; it is now played by nodes[mapping[q]].
         return finish([nodes[i] for i in mapping], placements)
     ordered = _order(nodes, old.experts, len(old.layers))
-    if loads is not None:
-        check_loads(loads, len(old.layers), old.experts)
     # A loss: the survivors keep their slots (carry.py), where that balances the ranks;
     # where it does not, it is kept only if it is no worse than a plan made afresh.
     carried = carry(old, ordered, loads, sources)

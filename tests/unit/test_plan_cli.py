@@ -78,6 +78,16 @@ def test_bad_input_exits_2_with_one_line_naming_the_problem(args, field):
     assert len(lines) == 1 and field in lines[0] and "Traceback" not in out.stderr
 
 
+def test_loads_past_the_largest_float_are_refused(tmp_path):
+    huge = tmp_path / "loads.json"
+    huge.write_text("[1e308, 1e308, 1, 1]")
+    out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads", str(huge))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "lazarus: error: loads: layer 0's loads sum past the largest float; "
+        "scale every load down alike"]
+
+
 def test_malformed_loads_file(tmp_path):
     bad = tmp_path / "loads.json"
     bad.write_text('{"expert": 1}')

@@ -70,6 +70,9 @@ def test_infeasible_threshold_names_the_problem():
 @pytest.mark.parametrize("loads,f,match", [
     ([], 1, "experts"), ([1.0], 0, "min_replicas"), ([1.0, -1.0], 1, "loads"),
     ([math.nan, 1.0], 1, "loads"),
+    # Each finite, but their sum is not: every share would be 0 or NaN.
+    ([1e308, 1e308, 1.0], 1, "layer 0's loads sum past the largest float"),
+    ([10**400, 1], 1, "finite number"),  # a token count no float holds
 ])
 def test_bad_input_is_a_clear_error(loads, f, match):
     with pytest.raises(ValueError, match=match):
