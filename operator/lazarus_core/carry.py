@@ -9,8 +9,11 @@ replicas than the loss needs. Here, layer by layer:
 1. Counts. Every expert needs ceil(t_e / (BALANCE_TARGET * m)) replicas, m being the load
    per surviving slot, and at least f: then no replica carries more than BALANCE_TARGET
    times a slot's mean, so where every rank has as many slots, no rank carries more than
-   BALANCE_TARGET times a rank's mean. Experts above their need give replicas up, those
-   below get new ones in the slots given up: the only replicas copied.
+   BALANCE_TARGET times a rank's mean. Where a layer's needs are more than its slots (its
+   experts at f carry less than their share, so the others have fewer slots than theirs:
+   skewed loads), the cap is the least above BALANCE_TARGET whose needs fit. Experts above
+   their need give replicas up, those below get new ones in the slots given up: the only
+   replicas copied.
 2. Recovery. A core that lost a node gets a fresh node in its place (a node of no other
    core, the same for every layer), and each of its experts a replica there: the cores
    keep their sizes and stay disjoint, so every failure count has as many fatal sets as
@@ -24,10 +27,11 @@ replicas than the loss needs. Here, layer by layer:
    lightest new replicas are not made, and the ranks may end above BALANCE_TARGET.
 
 ``carry`` answers None where this does not apply: a node new to the plan, changed, or
-unable to send its replicas; counts that do not fit; a core with no node to take the lost
-one's place. ``solver.replan`` then makes the plan afresh; it does so too where the
-carried plan's ranks end above BALANCE_TARGET, and keeps the carried one only if it is no
-worse on recovery, balance and replicas moved.
+unable to send its replicas; f replicas of every expert more than the slots; a core with
+no node to take the lost one's place. ``solver.replan`` then makes the plan afresh; it
+does so too where the carried plan's ranks end above BALANCE_TARGET, unless the plan
+before was above it too and balanced as the carried one does (within BALANCED_ENOUGH),
+and keeps the carried one only if it is no worse on recovery, balance and replicas moved.
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ from .topology import NodeSpec
 
 # Loads are floats: a need that is a whole number but for rounding is that number.
 _ROUNDING = 1e-9
+# How near the least cap on a replica's load that fits ``_needs`` finds it.
+_CAP_STEP = 1e-4
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,32 @@ def _survivors(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> lis
     return held
 
 
+def _needs(loads: np.ndarray, slots: int, least: int) -> np.ndarray:
+    """[layer, expert]: the replicas each expert needs so that none carries more than
+    BALANCE_TARGET times the layer's mean load per slot, and at least ``least``; where a
+    layer's needs are more than ``slots`` (its experts at ``least`` carry less than their
+    share, so the others have fewer slots than their share), the least cap above that
+    whose needs fit, to within ``_CAP_STEP`` (found by bisection)."""
+    mean = loads.sum(axis=1, keepdims=True) / slots
+
+    def needs(cap: np.ndarray) -> np.ndarray:
+        return np.maximum(np.ceil(loads / (cap * mean) - _ROUNDING).astype(np.int64), least)
+
+    low = np.full((len(loads), 1), BALANCE_TARGET)
+    need = needs(low)
+    over = need.sum(axis=1) > slots
+    if not over.any():
+        return need
+    # A cap of slots / least fits whenever the layer fits at all (every need is then least).
+    high = np.where(over[:, None], slots / least, low)
+    while (high - low > _CAP_STEP).any():
+        mid = (low + high) / 2
+        fits = needs(mid).sum(axis=1) <= slots
+        high = np.where(fits[:, None], mid, high)
+        low = np.where(fits[:, None], low, mid)
+    return needs(high)
+
+
 def _nth(keys: np.ndarray) -> np.ndarray:
     """For each entry, how many entries before it have the same key (in any order)."""
     order = np.argsort(keys, kind="stable")
@@ -121,10 +153,7 @@ class _Carried:
         held_any = old.count_cube > 0  # [layer, node of old, expert]
         self.present = held_any[:, held]
         self.spread = self.present.sum(axis=1)  # [layer, expert]: nodes holding it
-        mean = self.loads.sum(axis=1, keepdims=True) / self.slots.shape[1]
-        self.need = np.maximum(
-            np.ceil(self.loads / (BALANCE_TARGET * mean) - _ROUNDING).astype(np.int64),
-            old.min_replicas)
+        self.need = _needs(self.loads, self.slots.shape[1], old.min_replicas)
         self.least = old.min_replicas
         self.largest = largest_core(n)
 
@@ -187,7 +216,8 @@ class _Carried:
                            ).reshape(-1, self.num_ranks)
 
     def impossible(self) -> bool:
-        """Whether some layer needs more replicas than the survivors have slots."""
+        """Whether some layer needs more replicas than the survivors have slots (only
+        where f of every expert do not fit: ``_needs``)."""
         return bool((self.need.sum(axis=1) > self.slots.shape[1]).any())
 
     def _take(self, li: int, p: int, expert: int) -> None:
