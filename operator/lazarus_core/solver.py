@@ -67,10 +67,14 @@ def place(policy: str, layers: Sequence[Sequence[int]], slots: Sequence[int]) ->
 
 def allocate_layers(loads: Sequence[Sequence[float]] | None, layers: int, experts: int,
                     total_slots: int, min_replicas: int) -> list[list[int]]:
-    """Replica counts per layer (the loads ``checked_loads`` already; equal without)."""
-    if loads is None:
-        loads = [[1.0] * experts] * layers
-    return allocate_many(loads, total_slots, min_replicas)
+    """Replica counts per layer (``loads`` already through ``checked_loads``)."""
+    return allocate_many(_weights(loads, layers, experts), total_slots, min_replicas)
+
+
+def _weights(loads: Sequence[Sequence[float]] | None, layers: int,
+             experts: int) -> Sequence[Sequence[float]]:
+    """``loads``, or equal loads where none were measured."""
+    return loads if loads is not None else [[1.0] * experts] * layers
 
 
 def checked_loads(loads: Sequence[Sequence[float]] | None, layers: int,
@@ -251,7 +255,7 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
     # was searched for, that search found nothing within the target, and one for a few
     # nodes fewer does not find more (1,024 GPUs, 8 per node, 58 layers of zipf 1.5 or of
     # zipf 0.8-1.6, 4 nodes lost: made afresh in 5-7 s at 1.0659, 1.0587, 1.0839, against
-    # carried in 0.05-0.07 s at 1.0659, 1.0597, 1.0854, moving a quarter less). A carried
+    # carried in 0.07-0.14 s at 1.0659, 1.0597, 1.0854, moving a quarter less). A carried
     # plan far better balanced than the plan before is one of loads that changed: a plan
     # made afresh for them may reach the target. Else the carried plan is kept only if it
     # is no worse than a plan made afresh.
@@ -280,7 +284,7 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
     previous, spread = surviving_cores(old, ordered)
     options, rescues = restructure(replicas, slots, loads, gpus, previous, holders,
                                    [layer.replicas for layer in old.layers], spread)
-    weights = loads if loads is not None else [[1.0] * old.experts for _ in old.layers]
+    weights = _weights(loads, len(old.layers), old.experts)
 
     def fill(make, fresh, alone=False):
         anchors = make()
@@ -345,8 +349,7 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
 def _as_before(old: Plan, balance: float, loads) -> bool:
     """Whether the plan before has its busiest rank above ``BALANCE_TARGET`` under
     ``loads`` and within ``BALANCED_ENOUGH`` of ``balance``, either way."""
-    before = busiest_rank(old, loads if loads is not None
-                          else [[1.0] * old.experts] * len(old.layers))
+    before = busiest_rank(old, _weights(loads, len(old.layers), old.experts))
     return before > BALANCE_TARGET and before / BALANCED_ENOUGH <= balance <= (
         before * BALANCED_ENOUGH)
 
@@ -355,7 +358,7 @@ def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:
     """Whether the carried re-plan is at least as good as the rebuilt one on all three
     counts: fatal failure sets up to ``REPLAN_FAILURES`` nodes (as ``mro.restructure``
     compares re-plans), the busiest rank, and replicas moved."""
-    loads = loads if loads is not None else [[1.0] * kept.plan.experts] * len(kept.plan.layers)
+    loads = _weights(loads, len(kept.plan.layers), kept.plan.experts)
     return (all(a <= b for a, b in zip(_fatal_sets(kept.plan), _fatal_sets(rebuilt.plan)))
             and busiest_rank(kept.plan, loads) <= busiest_rank(rebuilt.plan, loads)
             and kept.migration.experts_migrated <= rebuilt.migration.experts_migrated)
