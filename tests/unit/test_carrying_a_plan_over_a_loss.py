@@ -165,25 +165,31 @@ def test_a_carried_plan_that_misses_the_target_is_kept_only_where_it_is_no_worse
 
 
 def test_losses_in_a_row_stay_balanced_and_recoverable():
-    """Each re-plan carries the last one over: cores stay disjoint, ranks within the
-    target, and every expert keeps f replicas."""
+    """Each re-plan carries the last one over where that balances: ranks within the
+    target, every expert keeps f replicas, no fatal pair, and a carried plan's cores stay
+    disjoint (a plan made afresh may share nodes between cores: MRO's structures do)."""
     current = solver.plan_job(NODES, EXPERTS, LAYERS, F, "mro", LOADS, max_failures=3)
     first = solver._fatal_sets(current)  # no single node or pair loses an expert
     assert first == [0, 0]
     alive = list(NODES)
     rng = np.random.default_rng(9)
+    carried_steps = 0
     for _ in range(5):
         gone = {alive[i].name for i in rng.choice(len(alive), 2, replace=False)}
         alive = [n for n in alive if n.name not in gone]
-        step = solver.replan(current, alive, "NodeLost", {n.name for n in alive}, LOADS,
-                             max_failures=3)
+        names = {n.name for n in alive}
+        carried = carry(current, solver._order(alive, EXPERTS, LAYERS), LOADS, names)
+        step = solver.replan(current, alive, "NodeLost", names, LOADS, max_failures=3)
         current = step.plan
         assert step.migration.recoverable
         assert busiest_rank(current, LOADS) <= BALANCE_TARGET
         assert min(min(layer.replicas) for layer in current.layers) >= F
         assert solver._fatal_sets(current) == first
-        found = cores(current)
-        assert all(not a & b for a in found for b in found if a != b)
+        if carried is not None and np.array_equal(current.slot_matrix, carried.placements):
+            carried_steps += 1
+            found = cores(current)
+            assert all(not a & b for a in found for b in found if a != b)
+    assert carried_steps >= 2
     assert current.generation == 6
 
 

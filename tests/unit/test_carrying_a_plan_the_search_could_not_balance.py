@@ -4,12 +4,14 @@ balance either: the re-plan keeps the carried plan, without a search of seconds 
 would find no more (solver.replan)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from lazarus_core import solver
 from lazarus_core.balance import BALANCE_TARGET, BALANCED_ENOUGH, busiest_rank
-from lazarus_core.carry import _CAP_STEP, _ROUNDING, _needs, carry
+from lazarus_core.carry import _CAP_STEP, _ROUNDING, _made, _needs, carry
 from lazarus_core.topology import NodeSpec
 
 EXPERTS, LAYERS, F = 64, 2, 2
@@ -97,3 +99,28 @@ def test_loads_that_changed_since_the_plan_before_are_planned_afresh(plan, monke
     monkeypatch.setattr(solver, "_restructured", searched)
     after = solver.replan(plan, survivors, "NodeLost", names, moved, max_failures=0)
     assert calls and busiest_rank(after.plan, moved) < carried.balance
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_replicas_not_made_leave_the_heaviest_replica_as_light_as_can_be(seed):
+    """Where a layer gave up fewer slots than its new replicas, those made are the ones
+    that leave its heaviest replica least heavy, against every way to choose them."""
+    rng = np.random.default_rng(seed)
+    layers, experts = 2, int(rng.integers(2, 6))
+    loads = rng.pareto(1.0, (layers, experts)) + 0.01
+    had = rng.integers(0, 6, (layers, experts))
+    extra = rng.integers(0, 4, (layers, experts))
+    extra[had == 0] = np.maximum(extra[had == 0], 1)  # an expert with none gets one
+    add_layer = np.repeat(np.repeat(np.arange(layers), experts), extra.ravel())
+    add_expert = np.repeat(np.tile(np.arange(experts), layers), extra.ravel())
+    room = np.array([int(rng.integers(0, extra[l].sum() + 1)) for l in range(layers)])
+    made = _made(loads, add_layer, add_expert, had, room)
+    for l in range(layers):
+        mine = add_layer == l
+        assert made[mine].sum() == room[l]
+        counts = had[l] + np.bincount(add_expert[mine & made], minlength=experts)
+        heaviest = max(t / c if c else np.inf for t, c in zip(loads[l], counts))
+        best = min(max(t / c if c else np.inf for t, c in zip(loads[l], had[l] + np.array(a)))
+                   for a in itertools.product(*(range(x + 1) for x in extra[l]))
+                   if sum(a) == room[l])
+        assert heaviest == pytest.approx(best)
