@@ -31,8 +31,8 @@ replicas than the loss needs. Here, layer by layer:
 unable to send its replicas; f replicas of every expert more than the slots; a core with
 no node to take the lost one's place. ``solver.replan`` then makes the plan afresh; it
 does so too where the carried plan's ranks end above BALANCE_TARGET, unless the plan
-before was above it too and balanced as the carried one does (within BALANCED_ENOUGH),
-and keeps the carried one only if it is no worse on recovery, balance and replicas moved.
+before balanced as the carried one does (within BALANCED_ENOUGH, either way), and keeps
+the carried one only if it is no worse on recovery, balance and replicas moved.
 """
 from __future__ import annotations
 
