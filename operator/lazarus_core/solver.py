@@ -254,13 +254,14 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
     # way: the loads are then those the plan before was made for, and a plan for a few
     # nodes fewer balances no better than it (the experts at f take a larger share of the
     # slots left). Made afresh, such re-plans took seconds to end within 0.3% of the
-    # carried plan, better or worse, moving more (1,024 GPUs, 8 per node, 58 layers of
-    # zipf 1.5 or of zipf 0.8-1.6, 4 nodes lost: 5-7 s at 1.0659, 1.0587, 1.0839, against
-    # carried in 0.07-0.14 s at 1.0659, 1.0597, 1.0854, moving a quarter less; plans
-    # before within the target, zipf 1.4 and 0.8-1.4 per layer: 2-6 s at 1.052-1.054
-    # against 1.053-1.056). A carried plan far better balanced than the plan before is
-    # one of loads that changed, and one far worse lost what a fresh search may find
-    # again: both are made afresh, and the carried plan is kept only if it is no worse.
+    # carried plan, mostly moving more (1,024 GPUs, 8 per node, 58 layers of zipf 1.5, of
+    # zipf 0.8-1.4 or of zipf 1.0-1.6, 4 nodes lost: 5.5-7.2 s at 1.0656-1.0662,
+    # 1.0587-1.0600 and 1.0839-1.0842, against carried in 0.04-0.06 s at 1.0663-1.0668,
+    # 1.0605-1.0608 and 1.0855-1.0858, moving 5-43% less in eight of nine; a plan before
+    # within the target, zipf 1.4: 2.5-2.8 s at 1.0528-1.0536 against 1.0542-1.0551).
+    # A carried plan far better balanced than the plan before is one of loads that
+    # changed, and one far worse lost what a fresh search may find again: both are made
+    # afresh, and the carried plan is kept only if it is no worse.
     carried = carry(old, ordered, loads, sources)
     if carried is not None:
         kept = finish(ordered, carried.placements, carried.devices)
