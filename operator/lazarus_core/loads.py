@@ -14,7 +14,7 @@ def parse_loads(spec: str, experts: int, layers: int) -> list[list[float]]:
             raise ValueError(f"--loads: zipf skew must be a number, got {spec[5:]!r}") from None
         if s < 0:
             raise ValueError(f"--loads: zipf skew must be >= 0, got {s}")
-        return [[1.0 / (i + 1) ** s for i in range(experts)]] * layers
+        return [[_zipf(i + 1, s) for i in range(experts)]] * layers
     try:
         data = json.loads(Path(spec).read_text())
     except OSError as e:
@@ -29,3 +29,12 @@ def parse_loads(spec: str, experts: int, layers: int) -> list[list[float]]:
         raise ValueError(f"--loads: {spec} must hold {experts} non-negative numbers, "
                          f"or {layers} such lists (one per layer)")
     return data
+
+
+def _zipf(rank: int, skew: float) -> float:
+    """1 / rank^skew; 0 where rank^skew is beyond the largest float (skews of a few
+    hundred), which is that load to within the smallest one."""
+    try:
+        return 1.0 / rank ** skew
+    except OverflowError:
+        return 0.0

@@ -88,6 +88,18 @@ def test_loads_past_the_largest_float_are_refused(tmp_path):
         "scale every load down alike"]
 
 
+@pytest.mark.parametrize("skew", ["400", "1e308", "inf"])
+def test_a_zipf_skew_past_the_largest_float_puts_every_load_on_the_first_expert(skew, tmp_path):
+    # 2^400 is past the largest float: Python raised OverflowError, a traceback.
+    first = tmp_path / "loads.json"
+    first.write_text("[1, 0, 0, 0, 0, 0, 0, 0]")
+    plans = [lazarus("plan", "--nodes", "8", "--slots", "4", "--experts", "8", "--loads",
+                     loads, "--json") for loads in (f"zipf:{skew}", str(first))]
+    assert all(out.returncode == 0 for out in plans), plans[0].stderr
+    assert plans[0].stdout == plans[1].stdout
+    assert json.loads(plans[0].stdout)["replicas"][0][1:] == [2] * 7
+
+
 def test_malformed_loads_file(tmp_path):
     bad = tmp_path / "loads.json"
     bad.write_text('{"expert": 1}')
