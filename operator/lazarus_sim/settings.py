@@ -1,6 +1,7 @@
 """Typed settings from a config mapping: unknown keys and wrong types name their field."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields, replace
 
 
@@ -19,6 +20,10 @@ def checked(given, defaults: dict, where: str) -> dict:
         want = type(defaults[key])
         if want is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and not math.isfinite(value):
+                # NaN passed every range check below, and ran to an assertion; an infinite
+                # duration never ends.
+                raise ValueError(f"{where}.{key}: must be a finite number, got {value!r}")
         else:
             ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
         if not ok:

@@ -48,6 +48,14 @@ def test_spot_trace_by_name(capsys):
     ("strategies: {lazarus: {checkpoint_every: 0}}\n", "strategies.lazarus.checkpoint_every"),
     ("strategies: {megatron: {}}\n", "strategies.megatron"),
     ("seeds: 0\n", "seeds"),
+    # NaN passed every range check and ran to an assertion; a tiny MTBF drew losses until
+    # memory ran out.
+    ("trace: {kind: mtbf, mtbf_s: .nan}\n", "trace.mtbf_s: must be a finite number"),
+    ("trace: {kind: mtbf, duration_s: .inf}\n", "trace.duration_s: must be a finite number"),
+    ("trace: {kind: mtbf, mtbf_s: 1.0e-9, duration_s: 100}\n",
+     "trace.mtbf_s: duration_s / mtbf_s = 100,000,000,000 expected losses, at most 100,000"),
+    ("trace: {kind: zones, node_mtbf_s: 0.001}\n", "trace.node_mtbf_s"),
+    ("trace: {kind: availability, scale_to: 100000}\n", "trace.scale_to: at most 4,096"),
     ("[1, 2\n", "--config"),
 ])
 def test_bad_config_is_one_line_naming_the_field(tmp_path, capsys, content, field):
