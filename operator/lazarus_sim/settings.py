@@ -21,8 +21,8 @@ def checked(given, defaults: dict, where: str) -> dict:
         if want is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok and not math.isfinite(value):
-                # NaN passed every range check below, and ran to an assertion; an infinite
-                # duration never ends.
+                # NaN passes every range check the callers make (a comparison with NaN is
+                # false), and ran to an assertion; an infinite duration never ends.
                 raise ValueError(f"{where}.{key}: must be a finite number, got {value!r}")
         else:
             ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
