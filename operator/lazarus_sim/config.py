@@ -24,9 +24,10 @@ from pathlib import Path
 
 import yaml
 
+from lazarus_core.job_spec import LIMITS as SPEC_LIMITS
 from lazarus_core.plan import POLICIES
 from lazarus_core.loads import parse_loads
-from lazarus_core.solver import LIMITS
+from lazarus_core.solver import LIMITS, check_size
 from .settings import checked, mapping, override
 from .strategies import STRATEGIES
 from .trace import (Trace, exponential, from_availability, read_availability, read_events,
@@ -49,6 +50,12 @@ _TRACE_FIELDS = {
 # three strategies replayed 8,571 (gpt-s, 5,000 s, MTBF 0.5 s) in 151 s on one core, so
 # this is about half an hour.
 MAX_EXPECTED_LOSSES = 100_000
+# Traces a run averages over: the standard error of a mean of 1,000 is 3% of one trace's
+# spread, finer than the two digits the table prints; 10^6 seeds ran for hours.
+MAX_SEEDS = 1_000
+# The cluster stands for a LazarusJob's nodes: its fields are bounded as the spec's are.
+_SPEC_FIELDS = {"gpus_per_node": "gpusPerNode", "slots_per_gpu": "slotsPerGpu",
+                "min_replicas": "minReplicas"}
 _STRATEGY_FIELDS = {
     "lazarus": {"checkpoint_every": 250, "rebalance_every": 200, "use_notices": False},
     "checkpoint_restart": {"checkpoint_every": 50},
@@ -93,9 +100,17 @@ def parse(data: dict) -> SimConfig:
             raise ValueError(f"{key}: unknown setting; known: {', '.join(sorted(known))}")
     model = _model(data.get("model", "gpt-l"))
     cluster = checked(data.get("cluster", {}), _CLUSTER_FIELDS, "cluster")
-    for key in ("nodes", "gpus_per_node", "slots_per_gpu", "min_replicas"):
-        if cluster[key] < 1:
-            raise ValueError(f"cluster.{key}: must be >= 1, got {cluster[key]}")
+    if cluster["nodes"] < 1:
+        raise ValueError(f"cluster.nodes: must be >= 1, got {cluster['nodes']}")
+    for key, field in _SPEC_FIELDS.items():
+        low, high = SPEC_LIMITS[field]
+        if not low <= cluster[key] <= high:
+            raise ValueError(f"cluster.{key}: must be {low}-{high} (a LazarusJob's "
+                             f"spec.{field}), got {cluster[key]}")
+    check_size(cluster["nodes"], cluster["gpus_per_node"] * cluster["slots_per_gpu"],
+               model.experts, model.layers,
+               {"nodes": "cluster.nodes", "slots": "cluster.gpus_per_node x slots_per_gpu",
+                "experts": "model.experts", "layers": "model.layers"})
     if cluster["policy"] not in POLICIES:
         raise ValueError(f"cluster.policy: must be one of {', '.join(POLICIES)}, "
                          f"got {cluster['policy']!r}")
@@ -108,8 +123,11 @@ def parse(data: dict) -> SimConfig:
         raise ValueError(f"loads: must be zipf:S or a list of {model.experts} loads, got {loads!r}")
     trace = _trace(data.get("trace", {"kind": "mtbf"}))
     seeds = data.get("seeds", 1)
-    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
-        raise ValueError(f"seeds: must be an integer >= 1, got {seeds!r}")
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or not 1 <= seeds <= MAX_SEEDS:
+        raise ValueError(f"seeds: must be an integer from 1 to {MAX_SEEDS:,}, got {seeds!r}")
+    if seeds * _expected_losses(trace) > MAX_EXPECTED_LOSSES:
+        raise ValueError(f"seeds: {seeds:,} traces x {_expected_losses(trace):,.0f} expected "
+                         f"losses each, at most {MAX_EXPECTED_LOSSES:,} in all; lower seeds")
     costs = override(Costs(), mapping(data.get("costs", {}), "costs"), "costs")
     given = mapping(data.get("strategies", {}), "strategies")
     for name in given:
@@ -162,13 +180,23 @@ def _trace(spec) -> dict:
                          f"solver is built for), got {values['scale_to']:,}")
     # A generated trace holds every loss it draws: a tiny MTBF over a long window drew
     # billions (4.6 GB in a minute, then still drawing).
-    for gap in ("mtbf_s", "node_mtbf_s", "zone_mtbf_s"):
+    for gap in _GAPS:
         if values.get(gap) and values["duration_s"] / values[gap] > MAX_EXPECTED_LOSSES:
             raise ValueError(
                 f"trace.{gap}: duration_s / {gap} = {values['duration_s'] / values[gap]:,.0f} "
                 f"expected losses, at most {MAX_EXPECTED_LOSSES:,}; raise {gap} or shorten "
                 f"duration_s")
     return {"kind": kind, **values}
+
+
+_GAPS = ("mtbf_s", "node_mtbf_s", "zone_mtbf_s")  # a generated trace's mean gaps
+
+
+def _expected_losses(trace: dict) -> float:
+    """Losses a generated trace draws in expectation (the most over its kinds of loss);
+    0 for a trace file, whose losses are its own."""
+    return max((trace["duration_s"] / trace[gap] for gap in _GAPS if trace.get(gap)),
+               default=0.0)
 
 
 def build_trace(spec: dict, nodes: int, seed: int) -> Trace:

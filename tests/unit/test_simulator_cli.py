@@ -56,6 +56,13 @@ def test_spot_trace_by_name(capsys):
      "trace.mtbf_s: duration_s / mtbf_s = 100,000,000,000 expected losses, at most 100,000"),
     ("trace: {kind: zones, node_mtbf_s: 0.001}\n", "trace.node_mtbf_s"),
     ("trace: {kind: availability, scale_to: 100000}\n", "trace.scale_to: at most 4,096"),
+    ("seeds: 1000000\n", "seeds: must be an integer from 1 to 1,000"),
+    ("seeds: 1000\ntrace: {kind: mtbf, mtbf_s: 1, duration_s: 1000}\n",
+     "seeds: 1,000 traces x 1,000 expected losses each, at most 100,000"),
+    ("cluster: {min_replicas: 65}\n", "cluster.min_replicas: must be 1-64"),
+    ("cluster: {gpus_per_node: 64, slots_per_gpu: 17}\n",
+     "cluster.gpus_per_node x slots_per_gpu: at most 1,024"),
+    ("model: {preset: gpt-s, experts: 5000}\n", "model.experts: at most 1,024"),
     ("[1, 2\n", "--config"),
 ])
 def test_bad_config_is_one_line_naming_the_field(tmp_path, capsys, content, field):
