@@ -50,7 +50,8 @@ import psutil  # noqa: E402
 from lazarus_core.balance import busiest_rank  # noqa: E402
 from lazarus_core.malloc import keep_plan_heap  # noqa: E402
 from lazarus_core.migration import holdings, plan_transfers  # noqa: E402
-from lazarus_core.anchor_search import best_anchors, cores_key, scored_failures  # noqa: E402
+from lazarus_core.anchor_search import (best_anchors, cores_key, forget_anchors,  # noqa: E402
+                                        scored_failures)
 from lazarus_core.mro import per_replica  # noqa: E402
 from lazarus_core.plan import Plan  # noqa: E402
 from lazarus_core.recovery import recovery_probability  # noqa: E402
@@ -138,6 +139,7 @@ def eplb_plan(nodes, lo, experts, generation, reason) -> Plan:
 def cpu_ms(fn, repeats):
     times, result = [], None
     for _ in range(repeats):
+        forget_anchors()  # each run timed cold, as a fresh process plans
         start = time.process_time()
         result = fn()
         times.append(time.process_time() - start)
@@ -145,6 +147,7 @@ def cpu_ms(fn, repeats):
 
 
 def peak_mb(fn) -> float:
+    forget_anchors()
     tracemalloc.start()
     fn()
     _, peak = tracemalloc.get_traced_memory()

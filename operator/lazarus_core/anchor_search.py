@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 from .anchors import LayerAnchors, anchor_greedily, anchored_replicas, anchors_of
 from .balance import fill_layers
@@ -25,6 +26,8 @@ SCORED_FAILURES = 6
 # Largest cluster on which the paper's groupings, spread and compact are tried as
 # constructions, and as the floor of the local search.
 GROUPED_NODES = 32
+# Layer shapes whose anchors are kept (``best_anchors``): a few KiB each.
+REMEMBERED_SHAPES = 256
 
 
 def scored_failures(num_nodes: int) -> int:
@@ -40,7 +43,23 @@ def best_anchors(replicas: Sequence[int], slots: Sequence[int],
                  weights: Sequence[float], search: bool = True) -> LayerAnchors:
     """One layer's recovery-best anchors: the best construction, then local search (without
     ``search``, the construction alone: what benchmarks/bench_solver.py measures the
-    search against)."""
+    search against).
+
+    Remembered for the last ``REMEMBERED_SHAPES`` shapes (the search is deterministic): a
+    job's re-plans weigh the same shapes again and again, as a node is lost and its
+    replacement joins (the simulator's default run asked 77 times for 15 shapes, a third
+    of its time). ``forget_anchors`` empties it, for timing a plan cold."""
+    return _best_anchors(tuple(replicas), tuple(slots), tuple(weights), search)
+
+
+def forget_anchors() -> None:
+    """Forget every remembered shape (``best_anchors``)."""
+    _best_anchors.cache_clear()
+
+
+@lru_cache(maxsize=REMEMBERED_SHAPES)
+def _best_anchors(replicas: tuple[int, ...], slots: tuple[int, ...],
+                  weights: tuple[float, ...], search: bool) -> LayerAnchors:
     num_experts = len(replicas)
     if num_experts <= min(slots):
         # Proven optimal: every expert nested on one prefix of the node order.
