@@ -179,7 +179,7 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     wanted = np.flatnonzero(n[busy].sum(axis=0) > 0)
     # A slot on a busy rank may become any expert, any other one an expert a busy rank
     # holds: slot by slot, targets in id order.
-    on_busy = np.isin(layer.rank_of_slot[slots], busy)
+    on_busy = _marked(busy, len(load))[layer.rank_of_slot[slots]]
     sizes = np.where(on_busy, len(w), len(wanted))
     p = np.repeat(slots, sizes)
     nth = np.arange(len(p)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -308,10 +308,12 @@ def _swaps(layer, x, pinned, n, w, load, busy):
     two ranks change, so each move is scored from the three busiest ranks and the sum of
     squares as they are."""
     node = layer.rank_node
-    src = np.flatnonzero(np.isin(layer.rank_of_slot, busy))
+    src = np.flatnonzero(_marked(busy, len(load))[layer.rank_of_slot])
     # Partners: free replicas, and pinned ones at home on a busy rank's node (the others
-    # could not land on a busy rank), in slot order as before.
-    partners = np.flatnonzero((pinned < 0) | np.isin(pinned, node[busy]))
+    # could not land on a busy rank), in slot order as before. (A free replica's -1 looks
+    # up the last node, but it is a partner either way.)
+    at_busy_node = _marked(node[busy], max(int(node.max()), int(pinned.max())) + 1)
+    partners = np.flatnonzero((pinned < 0) | at_busy_node[pinned])
     p = np.repeat(src, len(partners))
     q = np.tile(partners, len(src))
     k1, k2 = layer.rank_of_slot[p], layer.rank_of_slot[q]
@@ -331,3 +333,11 @@ def _swaps(layer, x, pinned, n, w, load, busy):
     top = np.maximum(rest, np.maximum(new1, new2))
     squares = float(load @ load) - load[k1] ** 2 - load[k2] ** 2 + new1 ** 2 + new2 ** 2
     return top, squares, p, q
+
+
+def _marked(indices: np.ndarray, size: int) -> np.ndarray:
+    """A boolean lookup of ``indices`` among ``range(size)`` (what ``np.isin`` tells, without
+    its sort: a tenth of a small layer's trade)."""
+    out = np.zeros(size, dtype=bool)
+    out[indices] = True
+    return out
