@@ -32,7 +32,8 @@ MANY_LEVELS = 256
 def measured_loads(loads) -> np.ndarray:
     """Expert loads as the solver weighs them, [layer, expert] (a new array): every load
     a finite number >= 0 and every layer's sum finite, or ValueError; a layer with no
-    traffic measured yet (every load 0) has its experts equal."""
+    traffic measured yet (every load 0) has its experts equal, and one of loads too small
+    or too large for the solver's arithmetic is scaled (below)."""
     finite = ValueError("loads: every expert load must be a finite number >= 0")
     try:
         t = np.array(loads, dtype=np.float64)
@@ -46,7 +47,19 @@ def measured_loads(loads) -> np.ndarray:
         raise ValueError(f"loads: layer {int(np.flatnonzero(~np.isfinite(sums))[0])}'s loads "
                          "sum past the largest float; scale every load down alike")
     t[sums <= 0] = 1.0
+    # Shares are what the solver weighs, the same at any scale, so a layer whose largest
+    # load lies beyond the square roots of the smallest and largest floats is scaled to a
+    # largest of 1: a replica's share of a subnormal load rounds to 0 (a layer of [0, 5e-324]
+    # ended in a numpy error), and the squares of rank loads that break ties in trading
+    # underflow or overflow there. Loads within are kept exactly.
+    largest = t.max(axis=1, initial=0.0)  # (0 for a layer of no experts, refused later)
+    far = (largest < _SMALLEST_SCALE) | (largest > _LARGEST_SCALE)
+    t[far] /= largest[far, None]
     return t
+
+
+_SMALLEST_SCALE = float(np.sqrt(np.finfo(np.float64).tiny))  # 1.5e-154
+_LARGEST_SCALE = float(np.sqrt(np.finfo(np.float64).max))  # 1.3e154
 
 
 def allocate_replicas(loads: Sequence[float], total_slots: int, min_replicas: int) -> list[int]:

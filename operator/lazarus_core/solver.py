@@ -80,14 +80,14 @@ def _weights(loads: Sequence[Sequence[float]] | None, layers: int,
 def checked_loads(loads: Sequence[Sequence[float]] | None, layers: int,
                   experts: int) -> Sequence[Sequence[float]] | None:
     """``loads`` as the solver takes them (``allocation.measured_loads``): the loads given,
-    or where some layer has no traffic yet, a copy with that layer's experts equal (every
-    step that weighs replicas then sees the same loads the allocation did)."""
+    or where that changes some layer (no traffic yet, or loads scaled), a copy so changed
+    (every step that weighs replicas then sees the same loads the allocation did)."""
     if loads is None:
         return None
     if len(loads) != layers or any(len(l) != experts for l in loads):
         raise ValueError(f"loads: need {layers} layers x {experts} experts of load")
     t = measured_loads(loads)
-    return loads if all(any(layer) for layer in loads) else t.tolist()
+    return loads if np.array_equal(t, np.asarray(loads, dtype=np.float64)) else t.tolist()
 
 
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,

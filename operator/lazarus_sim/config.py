@@ -26,7 +26,7 @@ import yaml
 
 from lazarus_core.job_spec import LIMITS as SPEC_LIMITS
 from lazarus_core.plan import POLICIES
-from lazarus_core.loads import parse_loads
+from lazarus_core.loads import LOADS_RULE, as_layers, parse_loads
 from lazarus_core.solver import LIMITS, check_size
 from .settings import checked, mapping, override
 from .strategies import STRATEGIES
@@ -156,14 +156,11 @@ def _model(spec) -> ModelSpec:
 
 
 def _loads_from_list(loads: list, model: ModelSpec) -> list[list[float]]:
-    if all(isinstance(x, (int, float)) for x in loads):
-        loads = [loads] * model.layers
-    if (len(loads) != model.layers
-            or not all(isinstance(l, list) and len(l) == model.experts
-                       and all(isinstance(x, (int, float)) and x >= 0 for x in l) for l in loads)):
-        raise ValueError(f"loads: give {model.experts} non-negative numbers, or {model.layers} "
-                         f"such lists (one per layer)")
-    return [[float(x) for x in l] for l in loads]
+    per_layer = as_layers(loads, model.experts, model.layers)
+    if per_layer is None:
+        raise ValueError(f"loads: give {model.experts} {LOADS_RULE}, or {model.layers} such "
+                         f"lists (one per layer)")
+    return per_layer
 
 
 def _trace(spec) -> dict:

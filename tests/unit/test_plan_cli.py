@@ -100,11 +100,38 @@ def test_a_zipf_skew_past_the_largest_float_puts_every_load_on_the_first_expert(
     assert json.loads(plans[0].stdout)["replicas"][0][1:] == [2] * 7
 
 
-def test_malformed_loads_file(tmp_path):
+@pytest.mark.parametrize("content", [
+    '{"expert": 1}', "[1, 2, 3]", "[1, NaN, 2, 3]", "[1, 1e400, 2, 3]",
+    "[true, 1, 2, 3]",  # JSON's true is not a load of 1
+    "[1" + "0" * 400 + ", 1, 2, 3]",  # an integer with no float
+])
+def test_a_loads_file_without_four_finite_loads_is_refused_naming_the_flag(tmp_path, content):
     bad = tmp_path / "loads.json"
-    bad.write_text('{"expert": 1}')
+    bad.write_text(content)
     out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads", str(bad))
-    assert out.returncode == 2 and "--loads" in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"lazarus: error: --loads: {bad} must hold 4 finite non-negative numbers, or 1 such "
+        "lists (one per layer)"]
+
+
+def test_a_layer_of_subnormal_loads_plans_as_its_shares_do(tmp_path):
+    # Its replicas' shares rounded to 0, and the plan ended in "repeats may not contain
+    # negative values".
+    files = [tmp_path / "tiny.json", tmp_path / "plain.json"]
+    files[0].write_text("[0, 5e-324, 0, 0]")
+    files[1].write_text("[0, 1, 0, 0]")
+    plans = [lazarus("plan", "--nodes", "8", "--slots", "4", "--experts", "4", "--loads",
+                     str(f), "--json") for f in files]
+    assert all(out.returncode == 0 for out in plans), plans[0].stderr
+    assert plans[0].stdout == plans[1].stdout
+
+
+def test_a_zipf_skew_that_is_not_a_number_is_refused():
+    out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads", "zipf:nan")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "lazarus: error: --loads: zipf skew must be >= 0, got nan"]
 
 
 def test_the_papers_setting_keeps_its_best_recovery_with_balanced_ranks(tmp_path):

@@ -63,6 +63,8 @@ def test_spot_trace_by_name(capsys):
     ("cluster: {gpus_per_node: 64, slots_per_gpu: 17}\n",
      "cluster.gpus_per_node x slots_per_gpu: at most 1,024"),
     ("model: {preset: gpt-s, experts: 5000}\n", "model.experts: at most 1,024"),
+    ("model: gpt-s\nloads: [.inf, 1, 1, 1, 1, 1, 1, 1]\n", "loads: give 8 finite non-negative"),
+    ("model: gpt-s\nloads: [true, 1, 1, 1, 1, 1, 1, 1]\n", "loads: give 8 finite non-negative"),
     ("[1, 2\n", "--config"),
 ])
 def test_bad_config_is_one_line_naming_the_field(tmp_path, capsys, content, field):
