@@ -59,6 +59,20 @@ def parse_joins(text: str) -> list[tuple[int, int]]:
     return joins
 
 
+def most_alive(workers: int, kills, joins: list[tuple[int, int]]) -> tuple[int, int]:
+    """The most workers alive at once and the step it is first reached at: joins start
+    theirs before STEP, and kills of whole workers (not of one rank: ``worker-N/R``) stop
+    theirs as STEP begins, counted first where both fall on one step."""
+    changes = sorted([(f.step, 0, -(f.count or sum("/" not in n for n in f.names)))
+                      for f in kills] + [(step, 1, count) for step, count in joins])
+    alive, most, at = workers, workers, 1
+    for step, _, change in changes:
+        alive = max(alive + change, 0)
+        if alive > most:
+            most, at = alive, step
+    return most, at
+
+
 def run(args) -> int:
     try:
         doc = yaml.safe_load(args.manifest.read_text())
@@ -70,7 +84,7 @@ def run(args) -> int:
         name, spec = parse_manifest(doc)
     except SpecError as e:
         raise ValueError(f"{args.manifest}: {e}") from None
-    workers = args.workers or spec.target_nodes
+    workers = spec.target_nodes if args.workers is None else args.workers
     if workers < spec.fewest_nodes:
         raise ValueError(f"--workers: the job needs at least {spec.fewest_nodes} workers "
                          f"(spec.minNodes, and enough slots for every expert's minReplicas)")
@@ -82,8 +96,15 @@ def run(args) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps: must be >= 1, got {args.steps}")
     kills, joins = parse_kills(args.kill), parse_joins(args.join)
-    if any(f.step > args.steps for f in kills):
-        raise ValueError(f"--kill: every STEP must be <= --steps ({args.steps})")
+    for flag, steps in (("--kill", [f.step for f in kills]), ("--join", [s for s, _ in joins])):
+        if any(step > args.steps for step in steps):
+            raise ValueError(f"{flag}: every STEP must be <= --steps ({args.steps})")
+    most, step = most_alive(workers, kills, joins)
+    if most > spec.max_nodes:
+        # Each worker is a process tree of its own: --join 5:100000 started them by the
+        # hundred before anything refused.
+        raise ValueError(f"--join: {most} workers would be alive at step {step}, past "
+                         f"spec.maxNodes ({spec.max_nodes}); join fewer or raise maxNodes")
     nodes = [f"worker-{i}" for i in range(workers + sum(c for _, c in joins))]
     known = set(nodes) | {member_name(n, d) for n in nodes for d in range(spec.gpus_per_node)}
     unknown = sorted({n for f in kills for n in f.names} - known)

@@ -24,6 +24,11 @@ def lazarus(*args):
     ([EXAMPLE, "--local", "--kill", "5:worker-1/1"], "--kill"),  # gpusPerNode: 1
     ([EXAMPLE, "--local", "--kill", "50:1", "--steps", "10"], "--kill"),
     ([EXAMPLE, "--local", "--join", "1:1"], "--join"),
+    ([EXAMPLE, "--local", "--workers", "0"], "--workers"),  # was taken as no --workers
+    # Beyond spec.maxNodes (4): this started workers by the hundred before.
+    ([EXAMPLE, "--local", "--join", "5:100000"], "--join: 100004 workers would be alive"),
+    ([EXAMPLE, "--local", "--kill", "3:1", "--join", "5:2"], "--join: 5 workers"),
+    ([EXAMPLE, "--local", "--join", "50:1", "--steps", "10"], "--join: every STEP"),
     ([EXAMPLE], "--local"),
     (["/nonexistent.yaml", "--local"], "nonexistent"),
 ])
