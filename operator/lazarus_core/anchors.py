@@ -265,21 +265,27 @@ def _deal_evenly(sets: Sequence[int], replicas: Sequence[int], weights: Sequence
     seats = _seats([coverage[m[0]] for m in members], len(live), size, n)
     used = [0] * len(sets)
     load = [0.0] * n
+    top = [0.0] * len(sets)  # each set's busiest node
+    # The sets whose busiest node can change when a set takes an expert: those it meets.
+    meets = [[k for k, other in enumerate(sets) if other & mask] for mask in sets]
+    open_sets = [j for j in range(len(sets)) if seats[j]]
     cores = [0] * len(replicas)
     # Within this much of the lightest set, the one that holds most of the expert.
     slack = HOLDER_SLACK * sum(weights[e] for e in live) * size / n
     for e in sorted(live, key=lambda e: (-weights[e], e)):
-        open_sets = [j for j in range(len(sets)) if used[j] < seats[j]]
-        top = {j: max(load[i] for i in members[j]) for j in open_sets}
-        least = min(top.values())
+        least = min(top[j] for j in open_sets)
         mine = held[e] if held is not None else 0
         j = min(open_sets, key=lambda j: (top[j] > least + slack,
                                            -(sets[j] & mine).bit_count(), top[j],
                                            used[j] / seats[j], j))
         used[j] += 1
+        if used[j] == seats[j]:
+            open_sets.remove(j)
         cores[e] = sets[j]
         for i in members[j]:
             load[i] += weights[e]
+        for k in meets[j]:
+            top[k] = max(load[i] for i in members[k])
     if any(count > slots[0] for count in Counter(i for c in cores if c
                                                  for i in nodes_of(c)).values()):
         return None
