@@ -136,10 +136,11 @@ def _ranked_moves(layer: _Layer, x: np.ndarray, pinned: np.ndarray, limit: int):
     w = np.divide(layer.loads, r, out=np.zeros_like(layer.loads), where=r > 0)
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:TOP_RANKS]
+    is_busy = _marked(busy, num_ranks)
     found = []
     for kind, (top, squares, p, q) in enumerate((
-            _retargets(layer, x, pinned, n, r, w, load, busy, limit),
-            _swaps(layer, x, pinned, n, w, load, busy))):
+            _retargets(layer, x, pinned, n, r, w, load, busy, is_busy, limit),
+            _swaps(layer, x, pinned, n, w, load, busy, is_busy))):
         if not len(p):
             continue
         order = np.lexsort((squares, top))[:limit]
@@ -158,7 +159,7 @@ def _apply(move, x: np.ndarray, pinned: np.ndarray) -> None:
         pinned[p], pinned[q] = pinned[q], pinned[p]
 
 
-def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
+def _retargets(layer, x, pinned, n, r, w, load, busy, is_busy, limit):
     """Free replicas that become another expert: on a busy rank (it sheds its weight), or
     anywhere when the new expert is on a busy rank (its replicas there get lighter). As
     (busiest rank after, sum of squares after, slot, expert) arrays, the sum of squares
@@ -179,7 +180,7 @@ def _retargets(layer, x, pinned, n, r, w, load, busy, limit):
     wanted = np.flatnonzero(n[busy].sum(axis=0) > 0)
     # A slot on a busy rank may become any expert, any other one an expert a busy rank
     # holds: slot by slot, targets in id order.
-    on_busy = _marked(busy, len(load))[layer.rank_of_slot[slots]]
+    on_busy = is_busy[layer.rank_of_slot[slots]]
     sizes = np.where(on_busy, len(w), len(wanted))
     p = np.repeat(slots, sizes)
     nth = np.arange(len(p)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -302,13 +303,13 @@ def _rows_after(layer, n, r, w, load, a, b):
     return out
 
 
-def _swaps(layer, x, pinned, n, w, load, busy):
+def _swaps(layer, x, pinned, n, w, load, busy, is_busy):
     """Two replicas of different experts on different ranks trade places; a pinned one
     only within its node, and neither lands on a rank that holds its expert already. Only
     two ranks change, so each move is scored from the three busiest ranks and the sum of
     squares as they are."""
     node = layer.rank_node
-    src = np.flatnonzero(_marked(busy, len(load))[layer.rank_of_slot])
+    src = np.flatnonzero(is_busy[layer.rank_of_slot])
     # Partners: free replicas, and pinned ones at home on a busy rank's node (the others
     # could not land on a busy rank), in slot order as before. (A free replica's -1 looks
     # up the last node, but it is a partner either way.)

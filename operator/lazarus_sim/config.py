@@ -125,8 +125,9 @@ def parse(data: dict) -> SimConfig:
     seeds = data.get("seeds", 1)
     if not isinstance(seeds, int) or isinstance(seeds, bool) or not 1 <= seeds <= MAX_SEEDS:
         raise ValueError(f"seeds: must be an integer from 1 to {MAX_SEEDS:,}, got {seeds!r}")
-    if seeds * _expected_losses(trace) > MAX_EXPECTED_LOSSES:
-        raise ValueError(f"seeds: {seeds:,} traces x {_expected_losses(trace):,.0f} expected "
+    expected = _expected_losses(trace)
+    if seeds * expected > MAX_EXPECTED_LOSSES:
+        raise ValueError(f"seeds: {seeds:,} traces x {expected:,.0f} expected "
                          f"losses each, at most {MAX_EXPECTED_LOSSES:,} in all; lower seeds")
     costs = override(Costs(), mapping(data.get("costs", {}), "costs"), "costs")
     given = mapping(data.get("strategies", {}), "strategies")
