@@ -113,7 +113,8 @@ def test_retargets_score_every_move_as_its_full_row_of_rank_loads(data):
     w = loads / np.maximum(r, 1)
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:ct.TOP_RANKS]
-    top, squares, p, q = ct._retargets(layer, experts, pinned, n, r, w, load, busy, limit)
+    top, squares, p, q = ct._retargets(layer, experts, pinned, n, r, w, load, busy,
+                                       ct._marked(busy, len(load)), limit)
     full = np.empty(len(p))
     for i in range(len(p)):
         after = experts.copy()
