@@ -589,16 +589,9 @@ class _Shape:
         ends: dict[tuple[int, int], tuple[int, int]] = {}
 
         def explore(key: tuple[int, int]) -> None:
-            # An even option ends at its traded counts spread evenly, the others at their
-            # recovery-best structure.
-            proposed = self.traded(key)
-            ways = (0, EVEN) if key[1] == EVEN else (0,)
-            for j in proposed:
-                for way in ways:
-                    if (j, way) not in options and self.structure_of((j, way)) is not None:
-                        options[(j, way)] = self.option((j, way), trade=True)
-            ends[key] = (proposed[0], ways[-1]) if (proposed[0], ways[-1]) in options else (
-                proposed[0], 0)
+            made, ends[key] = self.proposals(key)
+            for k, option in made.items():
+                options.setdefault(k, option)
 
         def valid() -> dict[tuple[int, int], tuple]:
             return {k: o for k, (o, _) in options.items()
@@ -634,6 +627,17 @@ class _Shape:
         return (_better_key(end[0], option[0], len(self.slots))
                 and max(end[2], BALANCE_TARGET) <= max(option[2], BALANCE_TARGET))
 
+    def proposals(self, key: tuple[int, int]):
+        """The options (filled trading counts) of the counts option ``key``'s fill
+        proposes (``traded``), and the key of the one it ends at: an even option ends at
+        its traded counts spread evenly, the others at their recovery-best structure."""
+        proposed = self.traded(key)
+        ways = (0, EVEN) if key[1] == EVEN else (0,)
+        made = {(j, way): self.option((j, way), trade=True) for j in proposed for way in ways
+                if self.structure_of((j, way)) is not None}
+        end = (proposed[0], ways[-1]) if (proposed[0], ways[-1]) in made else (proposed[0], 0)
+        return made, end
+
     def stands(self, key: tuple[int, int]) -> bool:
         """Whether option ``key``, the first of ``options`` and filled trading counts,
         stands as ``search`` checks the option it takes: the structures of the counts
@@ -644,13 +648,9 @@ class _Shape:
                 dict(self.filled_options), dict(self.traded_counts),
                 dict(self.alike_layers), dict(self.heaviest_layers))
         option = self.option(key, trade=True)[0]
-        proposed = self.traded(key)
-        ways = (0, EVEN) if key[1] == EVEN else (0,)
-        made = {(j, way): self.option((j, way), trade=True)[0] for j in proposed
-                for way in ways if self.structure_of((j, way)) is not None}
-        end = made.get((proposed[0], ways[-1]), made.get((proposed[0], 0)))
-        if not self.superseded(end, option) and (
-                self.ranked(self.options + list(made.values()))[0] is option[3]):
+        made, end = self.proposals(key)
+        if not self.superseded(made[end][0], option) and (
+                self.ranked(self.options + [o for o, _ in made.values()])[0] is option[3]):
             return True
         (count, self.templates, self.weights, self.filled_options, self.traded_counts,
          self.alike_layers, self.heaviest_layers) = kept
