@@ -17,6 +17,7 @@ from .anchor_search import largest_core
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, MOVE_PRICE, busiest_rank,
                       fill_counts, cheapest, filled_balance, first_balanced)
 from .carry import carry
+from .fewer_copies import with_fewer_copies
 from .mro import (REPLAN_FAILURES, filled, mro, per_replica, place_anchored,
                   place_toward_holders, restructure)
 from .placement import Placement, compact, spread
@@ -188,13 +189,16 @@ def surviving_cores(old: Plan, ordered: Sequence[NodeSpec]
 
 def _swapped_back(old: Plan, ordered: Sequence[NodeSpec], placements: np.ndarray,
                   counts: np.ndarray, loads: Sequence[Sequence[float]] | None,
-                  sources: set[str]) -> np.ndarray:
+                  sources: set[str], search: bool) -> np.ndarray:
     """``swap_back.swapped_back`` of a re-plan's fill on ``ordered`` (``counts``: its
-    replicas per layer and expert, which the swaps keep)."""
+    replicas per layer and expert, which the swaps keep), then, with ``search``,
+    ``fewer_copies.with_fewer_copies``."""
     weights = per_replica(counts, loads if loads is not None else np.ones(counts.shape))
-    return swapped_back(placements, _references(old, ordered, sources) > 0, weights,
-                        [n.slots for n in ordered], [n.slots_per_gpu for n in ordered],
-                        largest_core(len(ordered)))
+    held = _references(old, ordered, sources) > 0
+    shape = ([n.slots for n in ordered], [n.slots_per_gpu for n in ordered],
+             largest_core(len(ordered)))
+    swapped = swapped_back(placements, held, weights, *shape)
+    return with_fewer_copies(swapped, held, weights, *shape) if search else swapped
 
 
 def _references(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> np.ndarray:
@@ -217,11 +221,14 @@ class Replan:
 def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
            loads: Sequence[Sequence[float]] | None = None,
            max_failures: int = DEFAULT_MAX_FAILURES,
-           move_price: float = MOVE_PRICE) -> Replan:
+           move_price: float = MOVE_PRICE, copy_search: bool = True) -> Replan:
     """The next generation for ``nodes``, mapped onto them to move as little as possible.
 
     ``sources`` are the old plan's nodes that can still send expert state. ``move_price``:
     how much busier ranks are worth moving every slot (``balance.cheapest``).
+    ``copy_search``: a small re-plan made afresh is searched for a placement that copies
+    fewer replicas (``fewer_copies.py``: up to about a second); the simulator, which
+    re-plans thousands of times, leaves it out.
     """
     if not (isinstance(move_price, (int, float)) and 0 <= move_price < math.inf):
         raise ValueError(f"move_price: must be a number >= 0, got {move_price!r}")
@@ -234,7 +241,8 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
             # A fill made afresh: replicas it copies to one node while another node copies
             # what the first held go back where they were (swap_back.py), then each rank of
             # a node is played by the GPU of that node that holds most of what it needs.
-            placements = _swapped_back(old, ordered, placements, counts, loads, sources)
+            placements = _swapped_back(old, ordered, placements, counts, loads, sources,
+                                       copy_search)
             devices = map_devices(old, ordered, placements)
         plan = build_plan(ordered, counts.tolist(), placements,
                           old.experts, old.min_replicas, old.policy, old.generation + 1,

@@ -191,7 +191,8 @@ def _reconfig_rows() -> list[list[str]]:
             survivors = [n for i, n in enumerate(nodes) if i not in gone]
             f = feasible_min_replicas(2, survivors, cfg.model.experts)
             step = replan(replace(old, min_replicas=f), survivors, "NodeLost",
-                          {n.name for n in survivors}, loads=cfg.loads, max_failures=0)
+                          {n.name for n in survivors}, loads=cfg.loads, max_failures=0,
+                          copy_search=False)
             if step.migration.recoverable:
                 recovered += 1
                 migrated.append(step.migration.experts_migrated)

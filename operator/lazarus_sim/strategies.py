@@ -201,8 +201,10 @@ class Lazarus(Job):
                                    self.policy, loads=self.known_loads, max_failures=0), fixed)
             return
         sources = self._names(self.plan) & set(self.alive)
+        # Without the search for fewer copies (up to a second a re-plan; a simulation makes
+        # thousands): what it migrates is the fill's, a few percent more at most.
         step = replan(replace(self.plan, min_replicas=f), nodes, reason, sources,
-                      loads=self.known_loads, max_failures=0)
+                      loads=self.known_loads, max_failures=0, copy_search=False)
         if not step.migration.recoverable:
             self._restore(step.plan, fixed)
             return
@@ -228,7 +230,7 @@ class Lazarus(Job):
         self._balanced = self.plan
         nodes = self._plan_nodes(self.plan)
         step = replan(self.plan, nodes, "Rebalance", self._names(self.plan), loads=self.loads,
-                      max_failures=0)
+                      max_failures=0, copy_search=False)
         if not step.migration.transfers:
             return
         cost = self.costs.fixed_reconfiguration_s(lost=False) + self.costs.migration_s(
