@@ -3,12 +3,12 @@
 A re-plan's fill balances first and prefers the nodes that hold an expert second; the
 swaps that follow it (``swap_back.py``) return only pairs of copies that trade places. At
 the paper's setting (10 nodes of 6 slots, E = 16, 12 layers, 4 lost) that leaves the
-re-plan copying 235 replicas, where an integer program over the same structure, counts
-and per-layer busiest rank finds 144-252 a draw, 198 on average (SciPy's HiGHS, used
-only to measure this, not shipped): the cheaper placements move several replicas at once
-(a cold expert to the pair of nodes that holds it, the hot replicas there out of its way,
-twins of a hot expert on one node), which no single swap that keeps every rank in bounds
-reaches.
+re-plan copying 235 replicas on average over bench_solver's 8 draws, where an integer
+program over the same pairs of nodes, counts and per-layer busiest rank found 144-216 on
+5 of them that the fill copied 216-242 on (SciPy's HiGHS, used only to measure this, not
+shipped). The cheaper placements move several replicas at once (a cold expert to the
+pair of nodes that holds it, the hot replicas there out of its way, twins of a hot expert
+on one node), which no single swap that keeps every rank in bounds reaches.
 
 This pass anneals each layer over two kinds of step:
 
