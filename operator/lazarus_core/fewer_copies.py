@@ -116,6 +116,8 @@ class _Layer:
         cost = float(self.copies)
         best, best_row = self.copies, list(self.row)
         for step in range(steps):
+            if not best:  # nothing left to save
+                break
             undo = []
             if self.movable and rng.random() < CORE_STEPS:
                 pairs = self._core_step(rng, undo)
