@@ -190,6 +190,8 @@ def _reconfig_rows() -> list[list[str]]:
             gone = set(rng.choice(len(nodes), lost, replace=False).tolist())
             survivors = [n for i, n in enumerate(nodes) if i not in gone]
             f = feasible_min_replicas(2, survivors, cfg.model.experts)
+            # As the simulation re-plans (strategies.Lazarus): without the search for
+            # fewer copies.
             step = replan(replace(old, min_replicas=f), survivors, "NodeLost",
                           {n.name for n in survivors}, loads=cfg.loads, max_failures=0,
                           copy_search=False)

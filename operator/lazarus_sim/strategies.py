@@ -202,7 +202,8 @@ class Lazarus(Job):
             return
         sources = self._names(self.plan) & set(self.alive)
         # Without the search for fewer copies (up to a second a re-plan; a simulation makes
-        # thousands): what it migrates is the fill's, a few percent more at most.
+        # thousands): what it migrates is the fill's, which on small clusters copies up to
+        # a quarter more (docs/placement.md): the simulated transfers err long.
         step = replan(replace(self.plan, min_replicas=f), nodes, reason, sources,
                       loads=self.known_loads, max_failures=0, copy_search=False)
         if not step.migration.recoverable:
