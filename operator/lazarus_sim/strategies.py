@@ -59,6 +59,18 @@ class _ExpertParallel(Job):
         self.counts["restarts"] += 1
         self.begin("restart", self.costs.restart_total_s(self.model), lambda: None)
 
+    def react(self, lost, joined, noticed) -> None:
+        # A loss rolls back and stops every process; it restarts once the subclass's
+        # ``_world`` (the nodes it would run on now) is not empty.
+        if any(n.name in lost for n in self.members):
+            self.counts["failures"] += 1
+            self.rollback()
+            self.members = []
+        if not self.members and not self.busy:
+            world = self._world(list(self.alive.values()))
+            if world:
+                self.restart(world)
+
 
 class CheckpointRestart(_ExpertParallel):
     name = "checkpoint_restart"
@@ -72,16 +84,6 @@ class CheckpointRestart(_ExpertParallel):
         world = first_nodes(nodes, self.world_size)
         return world if len(world) == self.world_size and self.fits(world) else []
 
-    def react(self, lost, joined, noticed) -> None:
-        if any(n.name in lost for n in self.members):
-            self.counts["failures"] += 1
-            self.rollback()
-            self.members = []
-        if not self.members and not self.busy:
-            world = self._world(list(self.alive.values()))
-            if world:
-                self.restart(world)
-
 
 class ElasticRestart(_ExpertParallel):
     name = "elastic_restart"
@@ -92,16 +94,6 @@ class ElasticRestart(_ExpertParallel):
     def _world(self, nodes: list[NodeSpec]) -> list[NodeSpec]:
         world = first_nodes(nodes, self.world_size, {n.name for n in self.members})
         return world if self.fits(world) else []
-
-    def react(self, lost, joined, noticed) -> None:
-        if any(n.name in lost for n in self.members):
-            self.counts["failures"] += 1
-            self.rollback()
-            self.members = []
-        if not self.members and not self.busy:
-            world = self._world(list(self.alive.values()))
-            if world:
-                self.restart(world)
 
     def after_checkpoint(self) -> None:
         # Growing is a restart too, but right after a checkpoint it loses no steps.
