@@ -25,7 +25,8 @@ nodes keep their identities (identity mapping). A loss is 4 nodes chosen at rand
 draws, the same for both); moves are averaged over every draw, and a draw where some expert
 lost every replica (only a checkpoint restores it) is counted apart.
 
-Times are CPU time of this process (median of ``--repeats``), its malloc set as the operator
+Times are CPU time of this process (median of ``--repeats``; the re-plan's of the first
+draw, and the slowest draw's, each draw timed once), its malloc set as the operator
 and the command line set theirs (``lazarus_core.malloc.keep_plan_heap``); "lazarus plan"
 rows run the command line as a whole process. Memory is the peak Python allocation while planning
 (tracemalloc), and for the command line the peak resident size. The last column is the
@@ -76,6 +77,7 @@ CASES = {
 TARGETS = {  # (case prefix, metric) -> target
     ("1,024", "plan (ms)"): "< 100",
     ("1,024", "re-plan + migration (ms)"): "< 100",
+    ("1,024", "re-plan + migration, slowest draw (ms)"): "< 100",
     ("4,096", "plan (ms)"): "< 1000",
     ("4,096", "plan, peak memory (MB)"): "< 500",
     ("4,096", "published plan (KiB)"): "< 512",
@@ -182,6 +184,7 @@ def run_case(name, cfg, repeats, draws):
 
     rng = np.random.default_rng(18)
     moved, base_moved, held, after_imbalance = [], [], [], []
+    re_times, base_re_times = [], []
     unrecoverable = [0, 0]
     for draw in range(draws):
         gone = {nodes[i].name for i in rng.choice(len(nodes), LOST, replace=False)}
@@ -194,12 +197,15 @@ def run_case(name, cfg, repeats, draws):
         def theirs():
             return plan_transfers(baseline, eplb_plan(survivors, lo, E, 2, "NodeLost"), names)
 
+        # The first draw timed as the median of ``repeats``, the others once each: a draw
+        # whose loss cannot be carried over is made afresh, seconds where the first draw
+        # took milliseconds (1,024 GPUs, zipf 0.8-1.4: 56 ms and 4.5 s).
+        re_ms, result = cpu_ms(ours, repeats if draw == 0 else 1)
+        base_re_ms, base_result = cpu_ms(theirs, repeats if draw == 0 else 1)
         if draw == 0:
-            re_ms, result = cpu_ms(ours, repeats)
-            base_re_ms, base_result = cpu_ms(theirs, repeats)
             rows.append((name, "re-plan + migration (ms)", re_ms, base_re_ms))
-        else:
-            result, base_result = ours(), theirs()
+        re_times.append(re_ms)
+        base_re_times.append(base_re_ms)
         moved.append(result.migration.experts_migrated)
         base_moved.append(base_result.experts_migrated)
         unrecoverable[0] += not result.migration.recoverable
@@ -214,6 +220,8 @@ def run_case(name, cfg, repeats, draws):
         (name, f"  ...draws with an expert lost (of {draws})", unrecoverable[0],
          unrecoverable[1]),
         (name, "max/mean load per rank after the loss", max(after_imbalance), None),
+        (name, "re-plan + migration, slowest draw (ms)", max(re_times),
+         max(base_re_times)),
     ]
     return rows
 
