@@ -291,14 +291,18 @@ class _Carried:
                     fits[y] = False
                 taken[y] = True
                 self.members[c, y] = True
-                # What the core's experts hold on y already anchors them there now.
-                self.movable[(self.node_of == y) & (self.core[self.layer, self.slots] == c)
-                             & self.recored[self.layer, self.slots]] = False
+                self.movable[self._anchoring(y, c)] = False
                 for li in range(self.num_layers):
                     experts = ge[(gl == li) & lacking[:, y]]
                     if len(experts) and not self._place_on(li, y, experts):
                         return False
         return True
+
+    def _anchoring(self, node: int, core: int) -> np.ndarray:
+        """[layer, slot]: the replicas ``core``'s re-cored experts hold on ``node``, which
+        anchor them there once the node joins the core."""
+        return ((self.node_of == node) & (self.core[self.layer, self.slots] == core)
+                & self.recored[self.layer, self.slots])
 
     def _yields(self, node: int, core: int) -> np.ndarray:
         """[layer]: the slots of ``node`` that ``_place_on`` can take in each layer for
@@ -307,11 +311,9 @@ class _Carried:
         still leave. (Open slots alone overcount: 1,024 GPUs, zipf 0.8-1.4 per layer, 2 of
         8 draws of 4 lost nodes took a node with 32 open slots in a layer where 32 new
         replicas were due, placed fewer, and the loss was made afresh in 4.5-5.7 s.)"""
-        on = np.flatnonzero(self.node_of == node)
-        held = self.slots[:, on]
-        open_ = (self.movable[:, on] & ~self.used[:, on]  # [layer, slot of the node]
-                 & ~((self.core[self.layer, held] == core) & self.recored[self.layer, held]))
-        cells = (self.layer * self.experts + held)[open_]
+        open_ = ((self.node_of == node) & self.movable & ~self.used
+                 & ~self._anchoring(node, core))
+        cells = (self.layer * self.experts + self.slots)[open_]
         count = np.bincount(cells, minlength=self.num_layers * self.experts)
         free = np.minimum(count, np.maximum(self.leave, 0).ravel())
         return free.reshape(self.num_layers, self.experts).sum(axis=1)

@@ -4,6 +4,8 @@ plan that misses the balance target is kept only where it is no worse than one m
 afresh."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -240,7 +242,6 @@ def test_a_fresh_node_is_taken_only_where_its_slots_can_take_the_cores_replicas(
     # of open slots alone let recore take a node that then could not hold them all, and
     # the loss was made afresh (1,024 GPUs, zipf 0.8-1.4 per layer: 4.5-5.7 s). Here it
     # must be exact both ways, on random losses, for every layer, node and core.
-    import copy
     survivors, names = next(iter(losses(NODES, 1, seed)))
     ordered = solver._order(survivors, EXPERTS, LAYERS)
     state = _Carried(plan, ordered, _survivors(plan, ordered, names), LOADS)
@@ -248,9 +249,7 @@ def test_a_fresh_node_is_taken_only_where_its_slots_can_take_the_cores_replicas(
     for node in rng.choice(len(ordered), 4, replace=False).tolist():
         core = int(rng.choice(np.unique(state.core[state.core >= 0])))
         yields = state._yields(node, core)
-        on = state.node_of == node
-        anchoring = ((state.core[state.layer, state.slots] == core)
-                     & state.recored[state.layer, state.slots] & on)
+        anchoring = state._anchoring(node, core)
         for li in range(LAYERS):
             for wanted, placed in ((yields[li], True), (yields[li] + 1, False)):
                 trial = copy.deepcopy(state)
