@@ -249,6 +249,9 @@ class ClusterCoordinator:
         last = self.total_steps is not None and prepared.step >= self.total_steps
         if last:
             self.steps.commit(prepared, last=True)  # the workers apply it and stop
+            # Logged before the report below, which the writer thread may send at once:
+            # whoever sees the job Succeeded must find the line already there.
+            emit("finished", step=prepared.step)
         elif self.pending is not None and self._ready(self.pending):
             self._publish(self.pending, boundary=prepared)
         else:
@@ -256,7 +259,6 @@ class ClusterCoordinator:
         self.state.report(self.steps.progress(prepared))
         if last:
             self.state.flush()  # the operator learns from it that the job is done
-            emit("finished", step=prepared.step)
             self.finished_at = time.monotonic()
 
     def _await_exits(self) -> None:

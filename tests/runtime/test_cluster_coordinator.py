@@ -172,6 +172,22 @@ def test_the_last_step_stops_the_workers_and_the_coordinator_once_they_left(job)
     assert progress.suspects == {}, "ranks that finished were reported lost"
 
 
+def test_the_finished_line_is_logged_before_the_last_step_is_reported(job, monkeypatch):
+    """The state writer may send a report at once, and the operator then marks the job
+    Succeeded: whoever reads that must already find "finished" in the coordinator's log."""
+    import lazarus_runtime.cluster_coordinator as cc
+
+    chan, plans, progress = job
+    said = []
+    monkeypatch.setattr(cc, "emit", lambda event, **fields: said.append(event))
+    report = progress.report
+    monkeypatch.setattr(progress, "report",
+                        lambda p: (said.append(f"report {p.step}"), report(p)))
+    finish(chan, plans, progress)
+    assert said.count("finished") == 1
+    assert said.index("finished") < said.index("report 2")
+
+
 def test_a_finished_job_does_not_wait_for_a_silent_rank(job, monkeypatch):
     from lazarus_core.liveness import Beat
 
