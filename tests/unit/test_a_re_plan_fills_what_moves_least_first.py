@@ -89,19 +89,20 @@ def test_a_move_price_that_is_not_a_number_at_least_zero_is_refused(move_price):
         replan(plan, cluster[:3], "NodeLost", {n.name for n in cluster}, move_price=move_price)
 
 
-@pytest.mark.parametrize("weighed", [True, False])
-def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch, weighed):
+def test_the_first_fill_traded_again_is_weighed_on_what_it_moves(monkeypatch):
     # 15 nodes x 4 GPUs x 4 slots, E = 64, 4 layers, zipf 0.7-1.3, the budget as small as
-    # above: traded again, the first fill is as balanced (1.342) and moves 19 more.
-    if not weighed:  # the more balanced of the two, whatever it moves
-        monkeypatch.setattr(solver, "cheapest", lambda made, _: min(made, key=lambda m: m[0]))
-    balance, moved = re_plan(nodes(15, 4, 4), 64, differing_loads(64, 4, 1.0, 101074032),
-                             starved(monkeypatch))
+    # above: traded again, the first fill is as balanced (1.342) as the fill taken, and
+    # moves about 20 more. Which fills those are depends on the CPU's float sums: 296
+    # against fewer than 285 on one with AVX-512, 335 against 314 on one without.
+    case = nodes(15, 4, 4), 64, differing_loads(64, 4, 1.0, 101074032)
+    with monkeypatch.context() as m:
+        balance, moved = re_plan(*case, starved(m))
+    with monkeypatch.context() as m:  # the more balanced of the two, whatever it moves
+        m.setattr(solver, "cheapest", lambda made, _: min(made, key=lambda m: m[0]))
+        balance_alone, moved_alone = re_plan(*case, starved(m))
     assert balance < 1.35
-    if weighed:
-        assert moved < 285
-    else:  # 296 moved
-        assert moved > 290
+    assert balance == pytest.approx(balance_alone, abs=1e-3)
+    assert moved <= moved_alone - 15
 
 
 @pytest.mark.parametrize("repaired", [True, False])
