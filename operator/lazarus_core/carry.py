@@ -26,6 +26,11 @@ replicas than the loss needs. Here, layer by layer:
    heaviest first to the ranks left lightest. Where a layer has too few to give up, the
    new replicas not made are those whose experts one fewer makes least heavy, and the
    ranks may end above BALANCE_TARGET.
+4. Trade. A layer still busier than the re-plan keeps without a search afresh (``enough``)
+   trades replica counts, the new replicas free to become other experts and move, the
+   rest on their nodes. Searched afresh instead, bench_solver's zipf 0.8-1.4 case took
+   5.1-6.6 s in four of eight draws of 4 lost nodes, its layer 44 carried at
+   1.0612-1.0614 against 1.0610; traded, all eight are kept (stop 50, docs/placement.md).
 
 ``carry`` answers None where this does not apply: a node new to the plan, changed, or
 unable to send its replicas; f replicas of every expert more than the slots; a core with
@@ -44,6 +49,7 @@ import numpy as np
 from .anchor_search import largest_core
 from .anchors import smallest_cores
 from .balance import BALANCE_TARGET, layer_balance, nth_in_run
+from .count_trading import FILL_EVALUATIONS, trade_counts
 from .plan import Plan
 from .topology import NodeSpec
 
@@ -61,9 +67,10 @@ class Carried:
 
 
 def carry(old: Plan, ordered: Sequence[NodeSpec], loads: Sequence[Sequence[float]] | None,
-          sources: set[str]) -> Carried | None:
+          sources: set[str], enough: float) -> Carried | None:
     """``old`` carried over to ``ordered``, or None where it cannot be (see the module
-    docstring). ``sources``: the nodes that can send expert state."""
+    docstring). ``sources``: the nodes that can send expert state; ``enough``: the busiest
+    rank over the mean that the layers trade down to."""
     held = _survivors(old, ordered, sources)
     if held is None:
         return None
@@ -74,8 +81,12 @@ def carry(old: Plan, ordered: Sequence[NodeSpec], loads: Sequence[Sequence[float
     if placed is None:
         return None
     g, per_rank = [q.gpus for q in ordered], [q.slots_per_gpu for q in ordered]
-    return Carried(placed, [old.nodes[i].devices for i in held],
-                   float(layer_balance(placed, state.loads.tolist(), g, per_rank).max()))
+    balance = layer_balance(placed, state.loads, g, per_rank)
+    over = np.flatnonzero(balance > enough)
+    if len(over):
+        state.trade(placed, over, g, per_rank, enough)
+        balance[over] = layer_balance(placed[over], state.loads[over], g, per_rank)
+    return Carried(placed, [old.nodes[i].devices for i in held], float(balance.max()))
 
 
 def _survivors(old: Plan, ordered: Sequence[NodeSpec], sources: set[str]) -> list[int] | None:
@@ -217,6 +228,7 @@ class _Carried:
         self.removed = np.zeros((L, E), dtype=np.int64)  # replicas their slots held
         self.displaced = np.zeros((L, E), dtype=np.int64)  # of those, to be placed again
         self.used = np.zeros(self.slots.shape, dtype=bool)
+        self.refilled = np.zeros(self.slots.shape, dtype=bool)  # slots ``refill`` gave
         self.placed = self.slots.copy()
         weights = self.loads / np.maximum(self.count, 1)
         self.rank_load = self._rank_load(self.slots, weights)
@@ -424,4 +436,24 @@ class _Carried:
         heaviest = np.lexsort((-weights[add_layer, add_expert], add_layer))
         placed = self.placed
         placed[cl[lightest], cp[lightest]] = add_expert[heaviest]
+        self.refilled[cl, cp] = True
         return placed
+
+    def trade(self, placed: np.ndarray, layers: np.ndarray, ranks_per_node: Sequence[int],
+              slots_per_rank: Sequence[int], enough: float) -> None:
+        """The ``layers`` of ``placed`` trade replica counts (``count_trading``) until their
+        busiest rank is within ``enough`` of the mean, in place: the replicas ``refill``
+        placed may become other experts and move, being copies either way; every other
+        replica stays the expert it is on its node (a rank of it may change), so the
+        cores, the spread of experts without one, and what the survivors keep are as they
+        were. The layers share FILL_EVALUATIONS, as a fill's do, but none is held to a lone
+        layer's share: at 1,024 ranks one retarget is charged a row of 1,024 rank loads."""
+        g = np.asarray(ranks_per_node)
+        rank_node = np.repeat(np.arange(self.n), g)
+        rank_slots = np.repeat(slots_per_rank, g)
+        budget = FILL_EVALUATIONS // len(layers)
+        for li in layers.tolist():
+            home = np.where(self.refilled[li], -1, self.node_of)
+            placed[li] = trade_counts(placed[li], self.rank_of, rank_node, home,
+                                      self.loads[li], rank_slots, self.least, enough,
+                                      budget)

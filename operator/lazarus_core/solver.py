@@ -270,10 +270,11 @@ def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
     # A carried plan far better balanced than the plan before is one of loads that
     # changed, and one far worse lost what a fresh search may find again: both are made
     # afresh, and the carried plan is kept only if it is no worse.
-    carried = carry(old, ordered, loads, sources)
+    least, most = _kept_between(old, loads)
+    carried = carry(old, ordered, loads, sources, most)
     if carried is not None:
         kept = finish(ordered, carried.placements, carried.devices)
-        if carried.balance <= BALANCE_TARGET or _as_before(old, carried.balance, loads):
+        if carried.balance <= BALANCE_TARGET or least <= carried.balance <= most:
             return kept
     rebuilt = finish(*_restructured(old, ordered, sources, loads, move_price))
     if carried is not None and _no_worse(kept, rebuilt, loads):
@@ -357,11 +358,18 @@ def _restructured(old: Plan, ordered: Sequence[NodeSpec], sources: set[str],
                           move_price=move_price)
 
 
-def _as_before(old: Plan, balance: float, loads) -> bool:
-    """Whether the plan before has its busiest rank under ``loads`` within
-    ``BALANCED_ENOUGH`` of ``balance``, either way."""
+def _kept_between(old: Plan, loads) -> tuple[float, float]:
+    """The busiest rank a carried plan is kept at without a search afresh, besides within
+    the target: the plan before's under ``loads``, within ``BALANCED_ENOUGH`` either way.
+    The upper bound, or the target where higher, is what ``carry`` trades its layers to."""
     before = busiest_rank(old, _weights(loads, len(old.layers), old.experts))
-    return before / BALANCED_ENOUGH <= balance <= before * BALANCED_ENOUGH
+    return before / BALANCED_ENOUGH, max(BALANCE_TARGET, before * BALANCED_ENOUGH)
+
+
+def carried_over(old: Plan, nodes: Sequence[NodeSpec], loads, sources: set[str]):
+    """What ``carry`` answers for ``nodes`` as ``replan`` calls it."""
+    return carry(old, _order(nodes, old.experts, len(old.layers)), loads, sources,
+                 _kept_between(old, loads)[1])
 
 
 def _no_worse(kept: Replan, rebuilt: Replan, loads) -> bool:
