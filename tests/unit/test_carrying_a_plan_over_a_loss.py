@@ -253,7 +253,8 @@ def test_a_fresh_node_is_taken_only_where_its_slots_can_take_the_cores_replicas(
         for li in range(LAYERS):
             for wanted, placed in ((yields[li], True), (yields[li] + 1, False)):
                 trial = copy.deepcopy(state)
-                trial.movable[anchoring] = False  # as recore marks them on taking the node
+                # As recore marks them on taking the node.
+                trial.movable[:, state._columns(node)] &= ~anchoring
                 experts = np.arange(int(wanted)) % EXPERTS
                 assert trial._place_on(li, node, experts) is placed, (li, node, wanted)
 
