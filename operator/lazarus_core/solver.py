@@ -16,7 +16,7 @@ from .migration import (Migration, map_anchors, map_devices, map_nodes_optimal,
 from .anchor_search import largest_core
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, MOVE_PRICE, busiest_rank,
                       fill_counts, cheapest, filled_balance, first_balanced)
-from .carry import carry
+from .carry import Carried, carry
 from .fewer_copies import with_fewer_copies
 from .mro import (REPLAN_FAILURES, filled, mro, per_replica, place_anchored,
                   place_toward_holders, restructure)
@@ -366,7 +366,8 @@ def _kept_between(old: Plan, loads) -> tuple[float, float]:
     return before / BALANCED_ENOUGH, max(BALANCE_TARGET, before * BALANCED_ENOUGH)
 
 
-def carried_over(old: Plan, nodes: Sequence[NodeSpec], loads, sources: set[str]):
+def carried_over(old: Plan, nodes: Sequence[NodeSpec], loads,
+                 sources: set[str]) -> Carried | None:
     """What ``carry`` answers for ``nodes`` as ``replan`` calls it."""
     return carry(old, _order(nodes, old.experts, len(old.layers)), loads, sources,
                  _kept_between(old, loads)[1])
