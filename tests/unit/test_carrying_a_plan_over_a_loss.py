@@ -259,12 +259,12 @@ def test_a_fresh_node_is_taken_only_where_its_slots_can_take_the_cores_replicas(
                 assert trial._place_on(li, node, experts) is placed, (li, node, wanted)
 
 
-def test_a_carried_layer_over_the_target_trades_only_the_replicas_refill_placed(monkeypatch):
+def test_a_carried_layer_a_re_plan_would_not_keep_trades_only_what_refill_placed(monkeypatch):
     """``_Carried.trade``: the replicas ``refill`` placed may become other experts and
     move; every other replica stays on its node (the cores, the spread and what survivors
-    keep depend on them), and a layer traded balances no worse than before. 36 nodes, zipf 1.5:
-    every loss of one or two leaves the carried layers at 1.065-1.108, and their trade
-    brings them to 1.051-1.076."""
+    keep depend on them), and a layer traded balances no worse than before. 36 nodes,
+    zipf 1.5: losses of one or two leave the carried layers at 1.065-1.108, over what a
+    re-plan keeps (1.052), and their trade brings them to 1.051-1.076."""
     nodes = cluster(36)
     loads = [[1 / (((e + l) % 48) + 1) ** 1.5 for e in range(48)] for l in range(4)]
     old = solver.plan_job(nodes, 48, 4, F, "mro", loads, max_failures=0)
@@ -276,7 +276,7 @@ def test_a_carried_layer_over_the_target_trades_only_the_replicas_refill_placed(
         trade(self, placed, layers, *args)
 
     monkeypatch.setattr(_Carried, "trade", watched)
-    lowered = 0
+    traded_draws = lowered = 0
     for survivors, names in losses(nodes, draws=6, seed=4, most=2):
         g = per_rank = [4] * len(survivors)
         seen.clear()
@@ -284,6 +284,7 @@ def test_a_carried_layer_over_the_target_trades_only_the_replicas_refill_placed(
         if carried is None or not seen:
             continue
         (untraded, refilled, layers), = seen
+        traded_draws += 1
         traded = carried.placements
         # Every other replica is still on its node (it may change GPUs there).
         node = np.repeat(np.arange(len(survivors)), 16)
@@ -296,7 +297,7 @@ def test_a_carried_layer_over_the_target_trades_only_the_replicas_refill_placed(
         assert (after <= before + 1e-12).all()
         assert fill_counts(traded, 48).min() >= F
         lowered += int((after < before - 1e-9).any())
-    assert lowered == 6
+    assert lowered == traded_draws >= 4
 
 
 def held_per_node(placements: np.ndarray, node: np.ndarray, experts: int) -> np.ndarray:
