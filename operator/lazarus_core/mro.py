@@ -25,7 +25,7 @@ from .anchors import (LayerAnchors, align, anchor_evenly, anchor_greedily, ancho
                       balance_within, repair, repair_evenly, toward_holders)
 from .allocation import allocate_many, even_out
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, FILLS_TRIED, fill_counts, fill_layers,
-                      filled_balance, first_balanced, layer_balance)
+                      filled_balance, first_balanced, layer_balance, traded_on)
 from .migration import fill_copies
 from .placement import Placement
 from .plan import split_slots
@@ -73,18 +73,25 @@ def filled(layers: Sequence[Sequence[int]], slots: Sequence[int],
            loads: Sequence[Sequence[float]] | None,
            ranks_per_node: Sequence[int] | None) -> np.ndarray:
     """A fresh plan's [layer, slot] fill: ``structure``'s options filled in turn
-    (``balance.first_balanced``), with the first search's choice as the rescue."""
+    (``balance.first_balanced``), with the first search's choice as the rescue; with
+    ``loads``, its layers still over the target trade on (``balance.traded_on``)."""
     weights = loads if loads is not None else [[1.0] * len(r) for r in layers]
     g = list(ranks_per_node) if ranks_per_node is not None else [1] * len(slots)
 
     def fill(make):
-        return lambda: (None, place_anchored(make(), slots, weights, ranks_per_node, None,
-                                             trade=loads is not None))
+        def made():
+            anchors = make()
+            return anchors, place_anchored(anchors, slots, weights, ranks_per_node, None,
+                                           trade=loads is not None)
+        return made
 
     makers, rescue = structure(layers, slots, loads, ranks_per_node)
-    _, placements = first_balanced([fill(make) for make in makers], weights, g, slots,
-                                   fresh=True, rescues=[fill(rescue)] if rescue else [])
-    return placements
+    anchors, placements = first_balanced([fill(make) for make in makers], weights, g, slots,
+                                         fresh=True, rescues=[fill(rescue)] if rescue else [])
+    if loads is None:
+        return placements
+    return traded_on(placements, anchored_replicas(anchors), loads, g,
+                     [c // k for c, k in zip(slots, g)])
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lazarus_core import controller as c
-from lazarus_core import count_trading
+from lazarus_core import count_trading, mro
 from lazarus_core.balance import busiest_rank
 from lazarus_core.job_spec import parse_spec
 from lazarus_core.migration import plan_transfers
@@ -156,8 +156,10 @@ def test_the_specs_move_price_reaches_the_re_plan_after_a_loss(monkeypatch):
     cluster = tuple(numbered_nodes(26, 2, 4))
     weights = differing_loads(64, 4, 0.5, 54449067)
     counts = tuple(tuple(round(t * 1e9) for t in layer) for layer in weights)
-    plan = plan_job(cluster, 64, 4, 2, "mro", [list(map(float, l)) for l in counts],
-                    max_failures=0)
+    with monkeypatch.context() as m:  # the plan that case was written on (see there)
+        m.setattr(mro, "traded_on", lambda placed, *args: placed)
+        plan = plan_job(cluster, 64, 4, 2, "mro", [list(map(float, l)) for l in counts],
+                        max_failures=0)
     state = c.handle(c.new_job(spec, c.Settings(start_grace_s=0, max_failures=0)),
                      c.NodesJoined(cluster), T0).state
     state = dataclasses.replace(state, plan=plan, loads=counts)
