@@ -14,9 +14,8 @@ and 1,024 GPUs again with loads whose layers differ in shape, as measured routin
 rotated zipf loads give every layer the same shape, which the solver plans once; and with
 such loads more skewed (zipf 0.8-1.4), where no option the search weighs has its ranks
 within 1.05 (with 4 slots a rank, the coldest experts' slots leave the hot replicas too
-few ranks), so the search runs to its end and the plan ends at 1.0504 (trading its
-busiest layer on reaches 1.0497, but its re-plan then searches afresh: docs/placement.md,
-stop 49).
+few ranks), so the search runs to its end at 1.0504, and its busiest layer then trades
+on to 1.0497 (``balance.traded_on``; docs/placement.md, stop 51).
 
 The baseline is DeepSeek EPLB's idea: start every expert at f replicas, give each extra
 replica to the expert with the highest load per replica, then pack replicas heaviest-first
