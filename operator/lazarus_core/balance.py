@@ -230,8 +230,10 @@ def traded_on(placed: np.ndarray, anchored: np.ndarray, loads: Sequence[Sequence
     still over ``BALANCE_TARGET`` trading counts on from where the fill left it, each on
     ``TRADE_ON_EVALUATIONS`` shared by those layers: every replica on a node where its
     expert is anchored (``anchored``: (layer, node, expert) rows) stays that expert there,
-    and no expert goes below its layer's fewest replicas, so the recovery is the same. A
-    layer takes its trade where that balances it better.
+    and no expert goes below its layer's fewest replicas. An expert with replicas off its
+    anchors has more than ``largest`` (``anchors.anchor_greedily``), so the fatal failure
+    sets at the counts scored stay the same. A layer takes its trade where that balances
+    it better.
 
     The fill shares ``FILL_EVALUATIONS`` over its layers, and the search weighs options on
     their most fragile layer, so a plan's busiest layer can end just over the target:
