@@ -225,15 +225,17 @@ def fill_layers(replicas: Sequence[Sequence[int]], anchored: np.ndarray,
 
 
 def traded_on(placed: np.ndarray, anchored: np.ndarray, loads: Sequence[Sequence[float]],
-              ranks_per_node: Sequence[int], slots_per_rank: Sequence[int]) -> np.ndarray:
+              ranks_per_node: Sequence[int], slots_per_rank: Sequence[int],
+              largest: int) -> np.ndarray:
     """A fresh plan's fill (``placed``, [layer, slot]; loads are t_e) with every layer
     still over ``BALANCE_TARGET`` trading counts on from where the fill left it, each on
     ``TRADE_ON_EVALUATIONS`` shared by those layers: every replica on a node where its
     expert is anchored (``anchored``: (layer, node, expert) rows) stays that expert there,
-    and no expert goes below its layer's fewest replicas. An expert with replicas off its
-    anchors has more than ``largest`` (``anchors.anchor_greedily``), so the fatal failure
-    sets at the counts scored stay the same. A layer takes its trade where that balances
-    it better.
+    and no expert goes below its layer's fewest replicas. An expert's other replicas may go
+    only where its anchors span ``largest`` nodes (never fatal at the failure counts
+    scored) or are already all the nodes of some expert of the plan: its nodes then still
+    hold a fatal set of the fill, so no failure set becomes fatal. A layer takes its trade
+    where that balances it better.
 
     The fill shares ``FILL_EVALUATIONS`` over its layers, and the search weighs options on
     their most fragile layer, so a plan's busiest layer can end just over the target:
@@ -251,14 +253,21 @@ def traded_on(placed: np.ndarray, anchored: np.ndarray, loads: Sequence[Sequence
     node_of_slot = np.repeat(np.arange(n), g * s)
     rank_of_slot = np.repeat(np.arange(int(g.sum())), np.repeat(s, g))
     rank_node, rank_slots = np.repeat(np.arange(n), g), np.repeat(s, g)
-    held = np.zeros(num_layers * n * num_experts, dtype=bool)
     rows = np.asarray(anchored, dtype=np.int64).reshape(-1, 3)
-    held[(rows[:, 0] * n + rows[:, 1]) * num_experts + rows[:, 2]] = True
+    on_anchors = np.zeros((num_layers, num_experts, n), dtype=bool)
+    on_anchors[rows[:, 0], rows[:, 2], rows[:, 1]] = True
+    present = np.zeros_like(on_anchors)
+    present[np.arange(num_layers)[:, None], placed, node_of_slot] = True
+    sets = {row.tobytes() for row in np.packbits(present, axis=2).reshape(-1, (n + 7) // 8)}
+    pack = np.packbits(on_anchors, axis=2).reshape(-1, (n + 7) // 8)
+    free = ((on_anchors.sum(axis=2) >= largest)
+            | np.array([row.tobytes() in sets for row in pack]).reshape(num_layers, -1))
     out = placed.copy()
     budget = TRADE_ON_EVALUATIONS // len(over)
     for li in over.tolist():
         x = placed[li]
-        home = np.where(held[(li * n + node_of_slot) * num_experts + x], node_of_slot, -1)
+        pinned = on_anchors[li, x, node_of_slot] | ~free[li, x]
+        home = np.where(pinned, node_of_slot, -1)
         fewest = int(np.bincount(x, minlength=num_experts).min())
         mine = _redealt(trade_counts(x, rank_of_slot, rank_node, home, t[li], rank_slots,
                                      fewest, BALANCED_ENOUGH, budget),

@@ -91,7 +91,7 @@ def filled(layers: Sequence[Sequence[int]], slots: Sequence[int],
     if loads is None:
         return placements
     return traded_on(placements, anchored_replicas(anchors), loads, g,
-                     [c // k for c, k in zip(slots, g)])
+                     [c // k for c, k in zip(slots, g)], largest_core(len(slots)))
 
 
 def place_anchored(anchors: Sequence[LayerAnchors], slots: Sequence[int],

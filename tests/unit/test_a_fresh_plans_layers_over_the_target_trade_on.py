@@ -49,7 +49,7 @@ def test_layers_over_the_target_trade_on_and_keep_their_anchors(skew):
     before = layer_balance(placed, np.asarray(loads), g, per)
     over = before > BALANCE_TARGET
     assert over.any()  # the case this step exists for
-    out = traded_on(placed, anchored_replicas(anchors), loads, g, per)
+    out = traded_on(placed, anchored_replicas(anchors), loads, g, per, largest_core(NODES))
     after = layer_balance(out, np.asarray(loads), g, per)
     assert (after <= before + 1e-12).all()
     assert (after[over] < before[over] - 1e-6).any()
@@ -72,7 +72,8 @@ def test_a_plan_within_the_target_is_left_as_filled():
     placed, anchors = untraded_fill(loads)
     g, per = [GPUS] * NODES, [PER_GPU] * NODES
     assert (layer_balance(placed, np.asarray(loads), g, per) <= BALANCE_TARGET).all()
-    assert traded_on(placed, anchored_replicas(anchors), loads, g, per) is placed
+    assert traded_on(placed, anchored_replicas(anchors), loads, g, per,
+                     largest_core(NODES)) is placed
 
 
 def test_a_fresh_plan_trades_on_what_its_fill_left_over(monkeypatch):
