@@ -359,14 +359,17 @@ class _Carried:
         in slots of experts with replicas to spare, busiest ranks first; False where
         there are not enough."""
         layers = self.widened.any(axis=1)
+        if not layers.any():
+            return True
         cl, cp = self._busiest_first(self.movable & ~self.used & layers[:, None]
                                      & (self.spare[self.layer, self.slots] > 0))
+        ch = self.slots[cl, cp]
         bounds = np.searchsorted(cl, np.arange(self.num_layers + 1)).tolist()
         nodes_of = self.node_of.tolist()
         took_layer, took_slot, took_expert = [], [], []
         for li in np.flatnonzero(layers).tolist():
             slots = cp[bounds[li]:bounds[li + 1]].tolist()
-            holds = self.slots[li, slots].tolist()
+            holds = ch[bounds[li]:bounds[li + 1]].tolist()
             spare = self.spare[li].tolist()
             free = [True] * len(slots)
             for e in np.flatnonzero(self.widened[li]).tolist():
