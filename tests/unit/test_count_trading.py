@@ -131,3 +131,54 @@ def test_retargets_score_every_move_as_its_full_row_of_rank_loads(data):
     last = best[-1] if len(best) else None
     for i in np.flatnonzero(~np.isfinite(squares)):
         assert top[i] > top[last] or full[i] >= squares[last] * (1 - 1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_pair_rows_weigh_each_pair_as_its_own_row_of_rank_loads(data):
+    # _PairRows weighs the ranks of each expert a that hold no b once for every pair of
+    # that a (a hot a holds hundreds of ranks): each pair's busiest changed rank, where
+    # it first comes (a's ranks, then b's others, in rank order), the runner-up without
+    # that one, the busiest rank left unchanged and the change in the sum of squares
+    # must still be what the pair's own row of rank loads gives. Skewed layers, so that
+    # hot experts share ranks with others.
+    num_ranks = data.draw(st.integers(2, 24))
+    per_rank = data.draw(st.integers(1, 4))
+    num_experts = data.draw(st.integers(2, 12))
+    weights = 1.0 / np.arange(1, num_experts + 1) ** data.draw(st.floats(0.0, 2.0))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    experts = rng.choice(num_experts, size=num_ranks * per_rank, p=weights / weights.sum())
+    loads = rng.uniform(0.1, 10, size=num_experts)
+    ranks = np.repeat(np.arange(num_ranks), per_rank)
+    layer = ct._Layer(ranks, np.arange(num_ranks), loads, np.full(num_ranks, 1.0 / per_rank),
+                      1, 0.0)
+    r = np.bincount(experts, minlength=num_experts)
+    n = np.zeros((num_ranks, num_experts), dtype=np.uint16)
+    np.add.at(n, (ranks, experts), 1)
+    w = np.divide(loads, r, out=np.zeros_like(loads), where=r > 0)
+    load = (n @ w) * layer.per_slot
+    sources = np.flatnonzero(r > 1)
+    if not len(sources):
+        return
+    keys = np.array([a * num_experts + b for a in sources for b in np.flatnonzero(r > 0)
+                     if a != b], dtype=np.int64)
+    if not len(keys):
+        return
+    a, b = keys // num_experts, keys % num_experts  # sorted by a, as _retargets makes them
+    rows = ct._PairRows(layer, experts, n, r, w, load, a, b)
+    for i in range(len(a)):
+        da = loads[a[i]] / (r[a[i]] - 1) - w[a[i]]
+        db = loads[b[i]] / (r[b[i]] + 1) - w[b[i]]
+        row = load + (n[:, a[i]] * da + n[:, b[i]] * db) * layer.per_slot
+        on_a, on_b = n[:, a[i]] > 0, n[:, b[i]] > 0
+        changed = np.concatenate((np.flatnonzero(on_a), np.flatnonzero(on_b & ~on_a)))
+        top = changed[np.argmax(row[changed])]  # the first of equals, in that order
+        assert rows.largest[i] == row[changed].max()
+        assert rows.top_rank[i] == top
+        rest = changed[changed != top]
+        assert rows.second[i] == (row[rest].max() if len(rest) else -np.inf)
+        still = ~on_a & ~on_b
+        assert rows.unchanged[i] == (load[still].max() if still.any() else -np.inf)
+        assert rows.squares[i] == pytest.approx(
+            (row[changed] ** 2 - load[changed] ** 2).sum(), rel=1e-9, abs=1e-9)
