@@ -25,6 +25,7 @@ before a second one brings it below where it was).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -57,6 +58,16 @@ class _Layer:
     min_replicas: int
     target: float  # the busiest rank's load per slot that is enough
     budget: int = MAX_EVALUATIONS
+
+    @cached_property
+    def positions(self) -> list[np.ndarray]:
+        """The slots at each position within their rank (the first of each rank, then the
+        second, ...): no two slots of one position share a rank."""
+        order = np.argsort(self.rank_of_slot, kind="stable")
+        ranks = self.rank_of_slot[order]
+        position = np.empty(len(order), dtype=np.int64)
+        position[order] = np.arange(len(order)) - np.searchsorted(ranks, ranks)
+        return [np.flatnonzero(position == j) for j in range(int(position.max(initial=-1)) + 1)]
 
 
 def layer_budget(layers: int) -> int:
@@ -132,7 +143,8 @@ def _ranked_moves(layer: _Layer, x: np.ndarray, pinned: np.ndarray, limit: int):
     # [rank, expert] counts, as 16-bit integers: a 1,024-rank layer's are 262,144, and 64-bit
     # ones (``np.bincount``'s) are fresh memory eight times the size on every call.
     n = np.zeros((num_ranks, num_experts), dtype=np.uint16)
-    np.add.at(n, (layer.rank_of_slot, x), 1)
+    for slots in layer.positions:  # no rank twice in one: plain adds (np.add.at: 4x slower)
+        n[layer.rank_of_slot[slots], x[slots]] += 1
     w = np.divide(layer.loads, r, out=np.zeros_like(layer.loads), where=r > 0)
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:TOP_RANKS]
@@ -242,7 +254,8 @@ class _PairRows:
     def __init__(self, layer, x, n, r, w, load, a, b):
         num_ranks, num_experts = n.shape
         # (expert, rank) where the rank holds the expert, expert by expert, ranks in order.
-        held = np.unique(x * num_ranks + layer.rank_of_slot)
+        held = np.sort(x * num_ranks + layer.rank_of_slot)
+        held = held[_run_starts(held)]  # np.unique, without its hash table (10x slower)
         by_expert, rank = held // num_ranks, held % num_ranks
         start = np.searchsorted(by_expert, np.arange(num_experts + 1))
         size = np.diff(start)
@@ -262,7 +275,8 @@ class _PairRows:
         both = n[rb, a[pb]] > 0
         # a's ranks once per distinct a, with no b there (n * db adds a zero: the same
         # value), busiest first, the lower rank first among equals.
-        distinct, first_pair, which = np.unique(a, return_index=True, return_inverse=True)
+        first_pair = _run_starts(a)  # pairs come sorted by a
+        distinct, which = a[first_pair], np.cumsum(_marked(first_pair, count)) - 1
         qa, ra = ranks_of(distinct)
         va = (n[ra, distinct[qa]] * self.da[first_pair][qa]) * per_slot[ra] + load[ra]
         order = np.lexsort((ra, -va, qa))
@@ -300,7 +314,7 @@ class _PairRows:
         # The busiest rank that neither changes: the first of the busiest that holds
         # neither expert; of those that hold no a, the first (ranks of b) + 1 are enough.
         busiest = np.argsort(-load, kind="stable")
-        u, t = np.nonzero(n[busiest][:, distinct].T == 0)  # by a, then busiest first
+        u, t = np.nonzero(n[:, distinct][busiest].T == 0)  # by a, then busiest first
         u_start = np.searchsorted(u, np.arange(len(distinct) + 1))
         pair, at = _windows(np.minimum(size[b] + 1, np.diff(u_start)[which]),
                             u_start[which])
