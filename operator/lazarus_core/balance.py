@@ -478,14 +478,20 @@ def _redeal(ranks: np.ndarray, weights: np.ndarray, ranks_per_node: np.ndarray,
     slot = np.searchsorted(groups, group)  # each replica's row among the groups
     dealt = np.zeros((len(groups), width))
     room = capacity[node[first]].copy()
-    to = np.empty(len(at), dtype=np.int64)
-    for p in range(int(nth.max()) + 1):
-        now = np.flatnonzero(nth == p)
-        rows = slot[now]
-        pick = np.argmin(np.where(room[rows] > 0, dealt[rows], np.inf), axis=1)
-        dealt[rows, pick] += weights[at[now]]
-        room[rows, pick] -= 1
-        to[now] = pick
+    # [group, p]: each group's p-th heaviest replica, dealt in turn over all groups at
+    # once (the rows of the groups that have one: every group, where nodes fill alike).
+    turns = int(nth.max()) + 1
+    weight, has = np.zeros((len(groups), turns)), np.zeros((len(groups), turns), dtype=bool)
+    weight[slot, nth], has[slot, nth] = weights[at], True
+    picks = np.empty((len(groups), turns), dtype=np.int64)
+    every = np.arange(len(groups))
+    for p in range(turns):
+        pick = np.argmin(np.where(room > 0, dealt, np.inf), axis=1)
+        rows = every if has[:, p].all() else np.flatnonzero(has[:, p])
+        dealt[rows, pick[rows]] += weight[rows, p]
+        room[rows, pick[rows]] -= 1
+        picks[:, p] = pick
+    to = picks[slot, nth]
     # Per group: its busiest rank per slot as the swaps left it and as dealt.
     layer_of_group, node_of_group = np.divmod(groups, n)
     start = layer_of_group * num_ranks + rank_base[node_of_group]
