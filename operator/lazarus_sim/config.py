@@ -122,6 +122,7 @@ def parse(data: dict) -> SimConfig:
     else:
         raise ValueError(f"loads: must be zipf:S or a list of {model.experts} loads, got {loads!r}")
     trace = _trace(data.get("trace", {"kind": "mtbf"}))
+    _check_fits(model, cluster, trace)
     seeds = data.get("seeds", 1)
     if not isinstance(seeds, int) or isinstance(seeds, bool) or not 1 <= seeds <= MAX_SEEDS:
         raise ValueError(f"seeds: must be an integer from 1 to {MAX_SEEDS:,}, got {seeds!r}")
@@ -171,8 +172,11 @@ def _trace(spec) -> dict:
         raise ValueError(f"trace.kind: must be one of {', '.join(_TRACE_FIELDS)}, got {kind!r}")
     values = checked(spec, _TRACE_FIELDS[kind], "trace")
     for key, value in values.items():
-        if isinstance(value, (int, float)) and value < 0:
-            raise ValueError(f"trace.{key}: must be >= 0, got {value}")
+        # A mean gap of 0 draws losses without end, and a generated cluster needs a node.
+        low = 1 if key in _COUNTS else 0
+        if isinstance(value, (int, float)) and (value < low or (key in _GAPS and value == 0)):
+            raise ValueError(f"trace.{key}: must be {'> 0' if key in _GAPS else f'>= {low}'}, "
+                             f"got {value}")
     if values.get("scale_to", 0) > LIMITS["nodes"]:
         raise ValueError(f"trace.scale_to: at most {LIMITS['nodes']:,} nodes (the most the "
                          f"solver is built for), got {values['scale_to']:,}")
@@ -188,6 +192,33 @@ def _trace(spec) -> dict:
 
 
 _GAPS = ("mtbf_s", "node_mtbf_s", "zone_mtbf_s")  # a generated trace's mean gaps
+_COUNTS = ("zones", "nodes_per_zone")
+
+
+def _most_nodes(trace: dict, nodes: int) -> tuple[str, int]:
+    """The most nodes a strategy ever trains on, and the field that sets it: the job's
+    size (``cluster.nodes``), or fewer where the trace the configuration generates never
+    has that many. A trace file's own counts are not a mistake in the configuration (a
+    window of it may hold no instance), so they are not weighed here."""
+    most = [("cluster.nodes", nodes)]
+    if trace["kind"] == "zones":
+        most.append(("trace.zones x trace.nodes_per_zone",
+                     trace["zones"] * trace["nodes_per_zone"]))
+    if trace["kind"] == "availability" and trace["scale_to"]:
+        most.append(("trace.scale_to", trace["scale_to"]))
+    return min(most, key=lambda m: m[1])
+
+
+def _check_fits(model: ModelSpec, cluster: dict, trace: dict) -> None:
+    """Refuse a cluster that could never hold the model, not even one replica of each
+    expert: every strategy would wait through the whole trace (``Job.fits``)."""
+    field, count = _most_nodes(trace, cluster["nodes"])
+    per_node = cluster["gpus_per_node"] * cluster["slots_per_gpu"]
+    if count * per_node < model.experts:
+        raise ValueError(f"{field}: {model.name}'s {model.experts} experts need as many "
+                         f"expert slots, and {count:,} node{'s' if count > 1 else ''} of "
+                         f"{per_node} hold {count * per_node:,}, so nothing would ever train; "
+                         f"raise {field} or cluster.slots_per_gpu")
 
 
 def _expected_losses(trace: dict) -> float:

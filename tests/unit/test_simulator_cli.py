@@ -66,6 +66,16 @@ def test_spot_trace_by_name(capsys):
     ("model: gpt-s\nloads: [.inf, 1, 1, 1, 1, 1, 1, 1]\n", "loads: give 8 finite non-negative"),
     ("model: gpt-s\nloads: [true, 1, 1, 1, 1, 1, 1, 1]\n", "loads: give 8 finite non-negative"),
     ("[1, 2\n", "--config"),
+    # A mean gap of 0 or less is refused alike, under the field's own name.
+    ("trace: {kind: mtbf, mtbf_s: -5}\n", "trace.mtbf_s: must be > 0, got -5.0"),
+    ("trace: {kind: zones, node_mtbf_s: 0}\n", "trace.node_mtbf_s: must be > 0"),
+    ("trace: {kind: zones, zones: 0}\n", "trace.zones: must be >= 1"),
+    # Nodes that could never hold the model: every strategy waited the whole trace.
+    ("cluster: {nodes: 2, slots_per_gpu: 7}\n",
+     "cluster.nodes: GPT-L's 16 experts need as many expert slots, and 2 nodes of 7 hold 14"),
+    ("trace: {kind: zones, zones: 1, nodes_per_zone: 2}\n",
+     "trace.zones x trace.nodes_per_zone: GPT-L's 16 experts"),
+    ("trace: {kind: availability, scale_to: 2}\n", "trace.scale_to: GPT-L's 16 experts"),
 ])
 def test_bad_config_is_one_line_naming_the_field(tmp_path, capsys, content, field):
     path = tmp_path / "bad.yaml"

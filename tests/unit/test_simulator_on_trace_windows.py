@@ -1,11 +1,16 @@
 """Any window of any shipped trace: the simulator runs every strategy to the end, accounts
-for every second, and no strategy trains a model its nodes cannot hold."""
+for every second, and no strategy trains a model its nodes cannot hold; a job whose nodes
+never could is refused before it runs."""
+import math
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lazarus_sim import config, scenario
 from lazarus_sim.engine import CATEGORIES
-from lazarus_sim.trace import SHIPPED, read_availability, read_events
+from lazarus_sim.trace import SHIPPED, Trace, read_availability, read_events
+from lazarus_sim.workload import PRESETS
 
 AVAILABILITY = [name for name in SHIPPED if name.startswith("aws-")]
 EVENTS = [name for name in SHIPPED if name not in AVAILABILITY]
@@ -37,17 +42,39 @@ def windows(draw):
     }
 
 
+def _most_at_once(trace: Trace) -> int:
+    """The most nodes the trace holds at once (joins count first at equal times, so this
+    may count one too many, never too few)."""
+    alive: set[str] = set()
+    most = 0
+    for e in trace.events:
+        if e.kind == "join":
+            alive.add(e.node)
+        elif e.kind == "lose":
+            alive.discard(e.node)
+        most = max(most, len(alive))
+    return most
+
+
 @settings(max_examples=40, deadline=None)
 @given(windows())
 def test_every_window_of_every_shipped_trace_runs_and_accounts_for_every_second(data):
+    slots = data["cluster"]["slots_per_gpu"]  # one GPU a node
+    job = min(data["cluster"]["nodes"], data["trace"].get("scale_to") or math.inf)
+    if job * slots < PRESETS[data["model"]].experts:
+        # The job's nodes, or the trace scaled to fewer, can never hold the model.
+        field = "trace.scale_to" if job < data["cluster"]["nodes"] else "cluster.nodes"
+        with pytest.raises(ValueError, match=f"^{field}: .* so nothing would ever train"):
+            config.parse(data)
+        return
     cfg = config.parse(data)
     results = scenario.run(cfg)
+    (trace,) = cfg.traces()
     duration = data["trace"]["duration_s"]
-    slots = cfg.cluster["slots_per_gpu"] * cfg.cluster["gpus_per_node"]
-    fits = cfg.cluster["nodes"] * slots >= cfg.model.experts
+    fits = min(cfg.cluster["nodes"], _most_at_once(trace)) * slots >= cfg.model.experts
     for name, (r,) in results.items():
         assert abs(sum(r.seconds.values()) - duration) < 1e-6 * max(1.0, duration), name
         assert all(r.seconds[c] >= -1e-6 for c in CATEGORIES), (name, r.seconds)
         assert r.samples >= 0 and r.samples == r.curve[-1][1]
-        if not fits:  # the whole job's nodes cannot hold the model: nobody trains
+        if not fits:  # the window never holds the model: nobody trains
             assert r.samples == 0 and r.seconds["compute"] == 0, name
