@@ -64,9 +64,11 @@ def parse_zones(spec: str, num_nodes: int) -> list[str]:
                              f"got {count}")
         return [f"zone-{i % count}" for i in range(num_nodes)]
     names = [z.strip() for z in spec.split(",")]
-    if len(names) != num_nodes or not all(names):
+    if len(names) != num_nodes:
         raise ValueError(f"--zones: give a count or exactly {num_nodes} zone names, "
                          f"got {len(names)}")
+    if not all(names):
+        raise ValueError(f"--zones: zone name {names.index('') + 1} is empty")
     return names
 
 

@@ -19,13 +19,14 @@ def parse_loads(spec: str, experts: int, layers: int) -> list[list[float]]:
     try:
         data = json.loads(Path(spec).read_text())
     except OSError as e:
-        raise ValueError(f"--loads: cannot read {spec}: {e.strerror}") from None
+        raise ValueError(f"--loads: give zipf:S or a JSON file; cannot read {spec}: "
+                         f"{e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--loads: {spec} is not valid JSON ({e.msg} at line {e.lineno})") from None
     per_layer = as_layers(data, experts, layers)
     if per_layer is None:
-        raise ValueError(f"--loads: {spec} must hold {experts} {LOADS_RULE}, or {layers} such "
-                         f"lists (one per layer)")
+        raise ValueError(f"--loads: {spec} must hold {experts} {LOADS_RULE}, or one such "
+                         f"list per layer ({layers:,} in all)")
     return per_layer
 
 

@@ -160,8 +160,8 @@ def _model(spec) -> ModelSpec:
 def _loads_from_list(loads: list, model: ModelSpec) -> list[list[float]]:
     per_layer = as_layers(loads, model.experts, model.layers)
     if per_layer is None:
-        raise ValueError(f"loads: give {model.experts} {LOADS_RULE}, or {model.layers} such "
-                         f"lists (one per layer)")
+        raise ValueError(f"loads: give {model.experts} {LOADS_RULE}, or one such list per "
+                         f"layer ({model.layers:,} in all)")
     return per_layer
 
 

@@ -70,6 +70,11 @@ def test_loads_file_per_expert(tmp_path):
     (["--nodes", "1024", "--slots", "1024", "--experts", "4", "--layers", "8"],
      "--nodes x --slots x --layers: at most"),
     (["--nodes", "4", "--slots", "4", "--experts", "4", "--zones", "20"], "--zones: must be 1..4"),
+    # Four names, one of them empty: the count was right, so say which name is wrong.
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--zones", "a,b,,c"],
+     "--zones: zone name 3 is empty"),
+    (["--nodes", "4", "--slots", "4", "--experts", "4", "--loads", "uniform"],
+     "--loads: give zipf:S or a JSON file; cannot read uniform"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_problem(args, field):
     out = lazarus("plan", *args)
@@ -111,8 +116,8 @@ def test_a_loads_file_without_four_finite_loads_is_refused_naming_the_flag(tmp_p
     out = lazarus("plan", "--nodes", "4", "--slots", "4", "--experts", "4", "--loads", str(bad))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"lazarus: error: --loads: {bad} must hold 4 finite non-negative numbers, or 1 such "
-        "lists (one per layer)"]
+        f"lazarus: error: --loads: {bad} must hold 4 finite non-negative numbers, or one such "
+        "list per layer (1 in all)"]
 
 
 def test_a_layer_of_subnormal_loads_plans_as_its_shares_do(tmp_path):
