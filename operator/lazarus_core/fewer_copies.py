@@ -26,7 +26,7 @@ before: recovery can only improve. The counts, and how many slots each rank has,
 change.
 
 The search makes ``STEPS_PER_SLOT`` steps for each slot of each layer, fewer where that
-would pass ``MOST_STEPS`` (about 5 microseconds a step in CPython), and none where that
+would pass ``MOST_STEPS`` (5-10 microseconds a step in CPython), and none where that
 leaves fewer than ``FEWEST_STEPS`` a slot: at 1,024 GPUs a re-plan carries its plan over
 (``carry.py``) and copies fewer replicas than the lost nodes held. Seeded by the layer's
 index: a re-plan is the same each time.
@@ -41,11 +41,15 @@ import numpy as np
 
 from .anchors import smallest_cores
 
-# Steps for each slot of each layer, and at most this many in a re-plan (0.5-1 s);
-# where that leaves fewer than FEWEST_STEPS a slot, the search is not made.
+# Steps for each slot of each layer, and at most this many in a re-plan (0.3-0.5 s);
+# where that leaves fewer than FEWEST_STEPS a slot, the search is not made (past 2,000
+# slots over all layers). The job waits on the re-plan and then on its copies: the
+# paper's Table 2 copied 160 GPT-L experts in 7.6 s, 48 ms each. At the paper's setting
+# 100,000 steps copied 211.9 on average for 0.5 s more than 50,000 (213.9), which is
+# worth 10 copies (stop 53, docs/placement.md).
 STEPS_PER_SLOT = 300
-MOST_STEPS = 100_000
-FEWEST_STEPS = 50
+MOST_STEPS = 50_000
+FEWEST_STEPS = 25
 # Copies a state pays for each 1% of the mean rank load its busiest rank runs over.
 OVERLOAD_PRICE = 0.5
 # The temperature at the first step, in copies; it falls linearly to 0.

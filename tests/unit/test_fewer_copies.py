@@ -51,7 +51,7 @@ def test_nothing_changes_where_every_cheaper_placement_lifts_the_busiest_rank():
 def test_too_large_a_re_plan_is_not_searched(monkeypatch):
     held = held_as({1, 2}, {1, 2}, {0, 2}, {0, 2}, experts=3)
     row = np.array([[0, 2, 0, 2, 1, 2, 1, 2]])
-    # 8 slot-layers at 50 steps each is 400: fewer than FEWEST_STEPS a slot.
+    # One step short of FEWEST_STEPS for each of the 8 slot-layers.
     monkeypatch.setattr(fewer_copies, "MOST_STEPS", 8 * fewer_copies.FEWEST_STEPS - 1)
     out = with_fewer_copies(row, held, np.ones((1, 3)), [2] * 4, [2] * 4, 4)
     assert np.array_equal(out, row)
