@@ -18,8 +18,8 @@ few ranks), so the search runs to its end at 1.0504, and its busiest layer then 
 on to 1.0497 (``balance.traded_on``; docs/placement.md, stop 51).
 
 ``--shapes`` runs other shapes near 1,024 GPUs instead (``SHAPES``: 2 slots a GPU, E=512,
-zipf 2.0, 124, 256 and 16 nodes, 4 GPUs a node), which the issue sets no target for: an independent sweep
-found plans and re-plans of seconds there (stop 52).
+zipf 2.0, 124, 256 and 16 nodes, 4 GPUs a node), which the issue sets no target for: an
+independent sweep found plans and re-plans of seconds there (stop 52).
 
 The baseline is DeepSeek EPLB's idea: start every expert at f replicas, give each extra
 replica to the expert with the highest load per replica, then pack replicas heaviest-first
