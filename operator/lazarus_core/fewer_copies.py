@@ -22,8 +22,8 @@ busiest before the pass; the best state with no rank past it is kept, and only w
 copies fewer. Every step keeps each expert's nodes a superset of a core of the layer
 before the pass (a minimal node set of fewer than ``largest`` nodes: an expert on none
 keeps ``largest`` nodes, as ``swap_back.py`` keeps them), so every set of failed nodes
-that loses an expert afterwards lost one before: recovery can only improve. The counts, and how many slots each rank has, do not
-change.
+that loses an expert afterwards lost one before: recovery can only improve. The counts,
+and how many slots each rank has, do not change.
 
 The search makes ``STEPS_PER_SLOT`` steps for each slot of each layer, fewer where that
 would pass ``MOST_STEPS`` (5-10 microseconds a step in CPython), and none where that
