@@ -172,11 +172,14 @@ def _trace(spec) -> dict:
         raise ValueError(f"trace.kind: must be one of {', '.join(_TRACE_FIELDS)}, got {kind!r}")
     values = checked(spec, _TRACE_FIELDS[kind], "trace")
     for key, value in values.items():
+        if not isinstance(value, (int, float)):
+            continue
         # A mean gap of 0 draws losses without end, and a generated cluster needs a node.
+        if key in _GAPS and value <= 0:
+            raise ValueError(f"trace.{key}: must be > 0, got {value}")
         low = 1 if key in _COUNTS else 0
-        if isinstance(value, (int, float)) and (value < low or (key in _GAPS and value == 0)):
-            raise ValueError(f"trace.{key}: must be {'> 0' if key in _GAPS else f'>= {low}'}, "
-                             f"got {value}")
+        if value < low:
+            raise ValueError(f"trace.{key}: must be >= {low}, got {value}")
     if values.get("scale_to", 0) > LIMITS["nodes"]:
         raise ValueError(f"trace.scale_to: at most {LIMITS['nodes']:,} nodes (the most the "
                          f"solver is built for), got {values['scale_to']:,}")
