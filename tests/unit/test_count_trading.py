@@ -1,5 +1,7 @@
 """Replica counts traded inside a layer's fill (lazarus_core.count_trading): what may change,
 what never does, and that it lowers the busiest rank where swaps alone cannot."""
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -113,8 +115,18 @@ def test_retargets_score_every_move_as_its_full_row_of_rank_loads(data):
     w = loads / np.maximum(r, 1)
     load = (n @ w) * layer.per_slot
     busy = np.argsort(-load, kind="stable")[:ct.TOP_RANKS]
-    top, squares, p, q = ct._retargets(layer, experts, pinned, n, r, w, load, busy,
-                                       ct._marked(busy, len(load)), limit)
+    # With rows weighed from the ranks each move changes (WHOLE_ROWS = 0), and with every
+    # full row at once (as a small layer's are): the same moves and busiest ranks, and the
+    # same sums wherever the first has one.
+    with mock.patch.object(ct, "WHOLE_ROWS", 0):
+        top, squares, p, q = ct._retargets(layer, experts, pinned, n, r, w, load, busy,
+                                           ct._marked(busy, len(load)), limit)
+    layer.budget = ct.MAX_EVALUATIONS
+    whole = ct._retargets(layer, experts, pinned, n, r, w, load, busy,
+                          ct._marked(busy, len(load)), limit)
+    assert (whole[2] == p).all() and (whole[3] == q).all() and (whole[0] == top).all()
+    summed = np.isfinite(squares)
+    assert (whole[1][summed] == squares[summed]).all()
     full = np.empty(len(p))
     for i in range(len(p)):
         after = experts.copy()
