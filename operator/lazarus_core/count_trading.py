@@ -24,6 +24,9 @@ before a second one brings it below where it was).
 """
 from __future__ import annotations
 
+import hashlib
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -51,6 +54,8 @@ TOP_RANKS = 4
 # Restarts from the least bad moves where a climb stops above ``enough``.
 KICKS = 8
 _EPS = 1e-12
+# The trades of the plan or re-plan at work, by their inputs (``remembered``).
+_REMEMBERED: ContextVar[dict | None] = ContextVar("trades_remembered", default=None)
 
 
 @dataclass
@@ -81,6 +86,23 @@ def layer_budget(layers: int) -> int:
     return min(MAX_EVALUATIONS, FILL_EVALUATIONS // max(layers, 1))
 
 
+@contextmanager
+def remembered():
+    """Within, a trade with the same inputs as an earlier one gives that one's answer
+    again (a trade is a function of its inputs alone), until the outermost such block
+    ends. A plan's or re-plan's searches fill the same layer around the same anchors
+    again and again: a 10-node re-plan repeats a third of its trades, a 256-GPU one a
+    quarter."""
+    if _REMEMBERED.get() is not None:
+        yield
+        return
+    token = _REMEMBERED.set({})
+    try:
+        yield
+    finally:
+        _REMEMBERED.reset(token)
+
+
 def trade_counts(experts: np.ndarray, rank_of_slot: np.ndarray, rank_node: np.ndarray,
                  home: np.ndarray, loads: np.ndarray, rank_slots: np.ndarray,
                  min_replicas: int, enough: float, budget: int = MAX_EVALUATIONS
@@ -93,12 +115,29 @@ def trade_counts(experts: np.ndarray, rank_of_slot: np.ndarray, rank_node: np.nd
     free to move and to become another expert); ``loads[e]`` is t_e; ``rank_slots[k]`` the
     slots of rank k (loads are compared per slot, as the fill does).
     """
-    t = np.asarray(loads, dtype=np.float64)
-    layer = _Layer(np.asarray(rank_of_slot), np.asarray(rank_node), t,
-                   1.0 / np.asarray(rank_slots, dtype=np.float64), min_replicas,
-                   enough * t.sum() / np.asarray(rank_slots).sum(), budget)
-    x = np.array(experts, dtype=np.int64)
-    pinned = np.array(home, dtype=np.int64)
+    arrays = (np.asarray(experts, dtype=np.int64), np.asarray(rank_of_slot, dtype=np.int64),
+              np.asarray(rank_node, dtype=np.int64), np.asarray(home, dtype=np.int64),
+              np.asarray(loads, dtype=np.float64), np.asarray(rank_slots, dtype=np.int64))
+    memory = _REMEMBERED.get()
+    if memory is None:
+        return _traded(*arrays, min_replicas, enough, budget)
+    digest = hashlib.blake2b(repr((min_replicas, enough, budget, [a.shape for a in arrays]))
+                             .encode(), digest_size=16)
+    for a in arrays:
+        digest.update(np.ascontiguousarray(a).data)
+    key = digest.digest()
+    if key not in memory:
+        memory[key] = _traded(*arrays, min_replicas, enough, budget)
+    return memory[key].copy()
+
+
+def _traded(experts, rank_of_slot, rank_node, home, t, rank_slots, min_replicas, enough,
+            budget) -> np.ndarray:
+    """``trade_counts``, computed."""
+    layer = _Layer(rank_of_slot, rank_node, t, 1.0 / rank_slots.astype(np.float64),
+                   min_replicas, enough * t.sum() / rank_slots.sum(), budget)
+    x = experts.copy()
+    pinned = home.copy()
     best = _climb(layer, x, pinned)
     if best[0][0] > layer.target:
         # Restarts from the least bad moves of where the climb stopped.

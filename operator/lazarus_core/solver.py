@@ -17,6 +17,7 @@ from .anchor_search import largest_core
 from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, MOVE_PRICE, busiest_rank,
                       fill_counts, cheapest, filled_balance, first_balanced)
 from .carry import Carried, carry
+from .count_trading import remembered
 from .fewer_copies import with_fewer_copies
 from .mro import (REPLAN_FAILURES, filled, mro, per_replica, place_anchored,
                   place_toward_holders, restructure)
@@ -91,6 +92,8 @@ def checked_loads(loads: Sequence[Sequence[float]] | None, layers: int,
     return loads if np.array_equal(t, np.asarray(loads, dtype=np.float64)) else t.tolist()
 
 
+# A plan's and a re-plan's searches repeat trades (``count_trading.remembered``).
+@remembered()
 def plan_job(nodes: Sequence[NodeSpec], experts: int, layers: int, min_replicas: int,
              policy: str = "mro", loads: Sequence[Sequence[float]] | None = None,
              generation: int = 1, reason: str = "Initial",
@@ -218,6 +221,7 @@ class Replan:
     migration: Migration
 
 
+@remembered()
 def replan(old: Plan, nodes: Sequence[NodeSpec], reason: str, sources: set[str],
            loads: Sequence[Sequence[float]] | None = None,
            max_failures: int = DEFAULT_MAX_FAILURES,

@@ -194,3 +194,65 @@ def test_pair_rows_weigh_each_pair_as_its_own_row_of_rank_loads(data):
         assert rows.unchanged[i] == (load[still].max() if still.any() else -np.inf)
         assert rows.squares[i] == pytest.approx(
             (row[changed] ** 2 - load[changed] ** 2).sum(), rel=1e-9, abs=1e-9)
+
+
+def test_a_trade_is_remembered_only_within_its_block(monkeypatch):
+    computed = []
+    real = ct._traded
+    monkeypatch.setattr(ct, "_traded", lambda *a: computed.append(1) or real(*a))
+    args = ([0, 1, 1], [0, 1, 2], [3.0, 1.0])
+    assert trade(*args).tolist() == trade(*args).tolist()
+    assert len(computed) == 2  # no memory outside a block
+    with ct.remembered():
+        first = trade(*args)
+        first[:] = 9  # the caller's copy: what is remembered stays as it was
+        with ct.remembered():  # an inner block shares the outer one's memory
+            again = trade(*args)
+        assert trade(*args, min_replicas=2).tolist() == [0, 1, 1]  # other inputs: traded
+        assert trade([0, 1, 1], [0, 1, 2], [1.0, 3.0]).tolist() == [0, 1, 1]
+    assert len(computed) == 5
+    assert sorted(np.bincount(again, minlength=2)) == [1, 2]
+    trade(*args)
+    assert len(computed) == 6  # the memory went with its block
+
+
+def test_a_re_plan_remembers_its_trades_and_plans_as_without(monkeypatch):
+    # A small cluster whose layers differ in shape: its re-plan's searches fill the same
+    # layer around the same anchors again and again. Remembering must save those trades
+    # and change nothing in the plan.
+    from lazarus_core import solver
+    from lazarus_core.topology import NodeSpec
+    from lazarus_sim.workload import differing_loads
+
+    loads = differing_loads(16, 2, 1.0, seed=3)
+    nodes = [NodeSpec(f"node-{i}", 1, 6, zone=f"zone-{i % 4}") for i in range(10)]
+    plan = solver.plan_job(nodes, 16, 2, 2, "mro", loads, max_failures=0)
+    survivors = nodes[:3] + nodes[5:]
+
+    def re_plan():
+        calls = []
+        real = ct._traded
+        monkeypatch.setattr(ct, "_traded", lambda *a: calls.append(1) or real(*a))
+        out = solver.replan(plan, survivors, "NodeLost", {n.name for n in survivors}, loads,
+                            max_failures=0)
+        monkeypatch.setattr(ct, "_traded", real)
+        return out, len(calls)
+
+    remembering, traded = re_plan()
+
+    class Forgetful:  # a block that remembers nothing
+        def get(self):
+            return None
+
+        def set(self, value):
+            return None
+
+        def reset(self, token):
+            return None
+
+    monkeypatch.setattr(ct, "_REMEMBERED", Forgetful())
+    forgetting, traded_without = re_plan()
+    assert 0 < traded < traded_without
+    assert [layer.placement for layer in remembering.plan.layers] == \
+        [layer.placement for layer in forgetting.plan.layers]
+    assert remembering.migration.experts_migrated == forgetting.migration.experts_migrated
