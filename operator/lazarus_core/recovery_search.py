@@ -73,6 +73,7 @@ class _Search:
         # copies[li][node][e]: replicas of e on that node
         self.copies = [[Counter(experts) for experts in placement] for placement in layers]
         self.key = self._key()
+        self.minimal = _minimal(self.uses)
         self.evaluations = 0
 
     def _key(self) -> tuple[int, ...]:
@@ -120,12 +121,15 @@ class _Search:
         if new_x == old_x and new_y == old_y:
             return False
         self.evaluations += 1
+        if not self._may_lower(old_x, new_x, old_y, new_y):
+            return False
         self._swap_masks(((li, x), old_x, new_x), ((li, y), old_y, new_y))
         key = self._key()
         if not self._acceptable(key):
             self._swap_masks(((li, x), new_x, old_x), ((li, y), new_y, old_y))
             return False
         self.key = key
+        self.minimal = _minimal(self.uses)
         placement, copies = self.layers[li], self.copies[li]
         placement[a][placement[a].index(x)] = y
         placement[b][placement[b].index(y)] = x
@@ -138,6 +142,17 @@ class _Search:
                 del copies[node][e]
         return True
 
+    def _may_lower(self, old_x: int, new_x: int, old_y: int, new_y: int) -> bool:
+        """Whether a swap that changes these masks can leave fewer fatal sets, told without
+        counting them: only where a mask that no other mask lies inside (``minimal``) is
+        one expert's alone and changes. A fatal set holds some mask. One that goes and is
+        not minimal holds another that stays, or that holds one that stays (two go at
+        most); where both swapped experts had the same mask, their new ones lie inside it.
+        So every fatal set stays fatal. At 12 nodes x 32 slots, E = 64, this skips nearly
+        all of a search's 20,000 swaps, for the same placements."""
+        return any(old != new and self.uses[old] == 1 and old in self.minimal
+                   for old, new in ((old_x, new_x), (old_y, new_y)))
+
     def _swap_masks(self, *changes) -> None:
         for key, old, new in changes:
             self.masks[key] = new
@@ -145,6 +160,11 @@ class _Search:
             if not self.uses[old]:
                 del self.uses[old]
             self.uses[new] += 1
+
+
+def _minimal(masks) -> set[int]:
+    """The masks with no other mask inside them."""
+    return {m for m in masks if not any(o != m and o & m == o for o in masks)}
 
 
 class _AnchorSearch:
