@@ -55,7 +55,7 @@ import psutil  # noqa: E402
 
 from lazarus_core.balance import busiest_rank  # noqa: E402
 from lazarus_core.malloc import keep_plan_heap  # noqa: E402
-from lazarus_core.migration import holdings, plan_transfers  # noqa: E402
+from lazarus_core.migration import holdings, plan_transfers, preload  # noqa: E402
 from lazarus_core.anchor_search import (best_anchors, cores_key, forget_anchors,  # noqa: E402
                                         scored_failures)
 from lazarus_core.mro import per_replica  # noqa: E402
@@ -306,6 +306,9 @@ def main():
                         help="the other shapes near 1,024 GPUs (SHAPES) instead of the cases")
     args = parser.parse_args()
     keep_plan_heap()
+    # What the operator imports at start-up: else the first re-plan timed waits about 1 s
+    # for scipy (the first shape's, in a ``--repeats 1`` run).
+    preload()
     rows = []
     for name, cfg in (SHAPES if args.shapes else CASES).items():
         rows += run_case(name, cfg, args.repeats, args.draws)

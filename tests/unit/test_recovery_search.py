@@ -43,7 +43,7 @@ def test_a_skipped_swap_never_lowers_a_fatal_count(placements, data):
     masks = dict(search.masks)
     masks[li, x], masks[li, y] = new_x, new_y
     after = fatal_counts(masks.values(), n, k)
-    assert all(b <= a for a, b in zip(after, before)), (before, after)
+    assert all(was <= now for now, was in zip(after, before)), (before, after)
 
 
 @settings(max_examples=100, deadline=None)
