@@ -73,7 +73,7 @@ class _Search:
         # copies[li][node][e]: replicas of e on that node
         self.copies = [[Counter(experts) for experts in placement] for placement in layers]
         self.key = self._key()
-        self.minimal = _minimal(self.uses)
+        self.critical = _critical(self.uses)
         self.evaluations = 0
 
     def _key(self) -> tuple[int, ...]:
@@ -131,7 +131,7 @@ class _Search:
             self._swap_masks(((li, x), new_x, old_x), ((li, y), new_y, old_y))
             return False
         self.key = key
-        self.minimal = _minimal(self.uses)
+        self.critical = _critical(self.uses)
         placement, copies = self.layers[li], self.copies[li]
         placement[a][placement[a].index(x)] = y
         placement[b][placement[b].index(y)] = x
@@ -146,21 +146,21 @@ class _Search:
 
     def _stuck(self) -> bool:
         """Whether no swap can lower a count, now or after (none would be kept, so nothing
-        changes): no minimal mask is one expert's alone (``_may_lower``). At 12 nodes x 32
-        slots, E = 64, each of the two minimal masks holds several experts, and the search
-        ended after 20,000 swaps counted, keeping none."""
-        return not any(self.uses[m] == 1 for m in self.minimal)
+        changes): no ``critical`` mask (``_may_lower``). At 12 nodes x 32 slots, E = 64,
+        each of the two minimal masks holds several experts, and the search ended after
+        20,000 swaps counted, keeping none."""
+        return not self.critical
 
     def _may_lower(self, old_x: int, new_x: int, old_y: int, new_y: int) -> bool:
         """Whether a swap that changes these masks can leave fewer fatal sets, told without
-        counting them: only where a mask that no other mask lies inside (``minimal``) is
-        one expert's alone and changes. A fatal set holds some mask. One that goes and is
+        counting them: only where a ``critical`` mask (one that no other mask lies inside,
+        and one expert's alone) changes. A fatal set holds some mask. One that goes and is
         not minimal holds another that stays, or that holds one that stays (two go at
         most); where both swapped experts had the same mask, their new ones lie inside it.
         So every fatal set stays fatal. Skipped swaps still count against the budget, so
         the search ends where counting every one would."""
-        return any(old != new and self.uses[old] == 1 and old in self.minimal
-                   for old, new in ((old_x, new_x), (old_y, new_y)))
+        return (old_x != new_x and old_x in self.critical) or (
+            old_y != new_y and old_y in self.critical)
 
     def _swap_masks(self, *changes) -> None:
         for key, old, new in changes:
@@ -171,9 +171,12 @@ class _Search:
             self.uses[new] += 1
 
 
-def _minimal(masks) -> set[int]:
-    """The masks with no other mask inside them."""
-    return {m for m in masks if not any(o != m and o & m == o for o in masks)}
+def _critical(uses: Counter) -> set[int]:
+    """The masks one expert's alone with no other mask inside them: the only ones whose
+    change can lower a fatal count (``_Search._may_lower``). Kept between kept swaps
+    (a swap tried and refused leaves ``uses`` as it was)."""
+    return {m for m, count in uses.items()
+            if count == 1 and not any(o != m and o & m == o for o in uses)}
 
 
 class _AnchorSearch:
