@@ -51,7 +51,8 @@ import numpy as np
 
 from .anchor_search import largest_core
 from .anchors import smallest_cores
-from .balance import BALANCE_TARGET, BALANCED_ENOUGH, layer_balance, nth_in_run
+from .balance import (BALANCE_TARGET, BALANCED_ENOUGH, layer_balance, nth_in_run,
+                      stable_order)
 from .count_trading import FILL_EVALUATIONS, trade_counts
 from .plan import Plan
 from .topology import NodeSpec
@@ -141,7 +142,7 @@ def _needs(loads: np.ndarray, slots: int, least: int) -> np.ndarray:
 
 def _nth(keys: np.ndarray) -> np.ndarray:
     """For each entry, how many entries before it have the same key (in any order)."""
-    order = np.argsort(keys, kind="stable")
+    order = stable_order(keys)
     out = np.empty(len(keys), dtype=np.int64)
     out[order] = nth_in_run(keys[order])
     return out

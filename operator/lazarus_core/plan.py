@@ -207,9 +207,12 @@ class _Counts:
         offsets = (np.arange(num_layers)[:, None] * num_nodes + rows[None, :]) * self.experts
         # int16: a node holds at most its slots of one expert (solver.LIMITS: 1,024), and
         # re-plans gather and compare this cube several times (a quarter of int64's bytes).
-        return np.bincount((offsets + self.slots).ravel(),
-                           minlength=num_layers * num_nodes * self.experts).astype(
-                               np.int16).reshape(num_layers, num_nodes, self.experts)
+        # Counted straight into int16: most cells are empty, and ``np.bincount`` fills an
+        # int64 cell for each before the cast (a re-plan's new plan at 1,024 GPUs: 7 ms
+        # against 0.6).
+        cube = np.zeros(num_layers * num_nodes * self.experts, dtype=np.int16)
+        np.add.at(cube, (offsets + self.slots).ravel(), np.int16(1))
+        return cube.reshape(num_layers, num_nodes, self.experts)
 
 
 def _counts(flat: np.ndarray, sizes: Sequence[int], num_experts: int | None) -> np.ndarray:
@@ -221,12 +224,19 @@ def _counts(flat: np.ndarray, sizes: Sequence[int], num_experts: int | None) -> 
 def count_cube(layers: Sequence[LayerPlan]) -> np.ndarray:
     """[layer, node, expert]: every layer's ``counts`` as one array (the one they are views
     of, where the layers were made together by ``LayerPlan.from_slots``)."""
+    batch = _whole_batch(layers)
+    return batch.counts if batch is not None else np.stack([layer.counts for layer in layers])
+
+
+def _whole_batch(layers: Sequence[LayerPlan]) -> _Counts | None:
+    """The batch ``LayerPlan.from_slots`` made ``layers`` in, where they are all of it, in
+    order; else None."""
     batches = [layer.__dict__.get("_batch") for layer in layers]
     if batches and all(b is not None and b[0] is batches[0][0] and b[1] == li
                        for li, b in enumerate(batches)) \
             and len(batches[0][0].slots) == len(layers):
-        return batches[0][0].counts
-    return np.stack([layer.counts for layer in layers])
+        return batches[0][0]
+    return None
 
 
 @dataclass(frozen=True)
@@ -245,8 +255,10 @@ class Plan:
 
     @cached_property
     def slot_matrix(self) -> np.ndarray:
-        """[layer, slot]: every layer's ``flat`` slots, stacked (computed once)."""
-        return np.stack([layer.flat for layer in self.layers])
+        """[layer, slot]: every layer's ``flat`` slots, stacked (computed once; the array
+        they are rows of, where the layers were made together by ``LayerPlan.from_slots``)."""
+        batch = _whole_batch(self.layers)
+        return batch.slots if batch is not None else np.stack([layer.flat for layer in self.layers])
 
     @cached_property
     def count_cube(self) -> np.ndarray:
@@ -485,7 +497,7 @@ def violations(plan: Plan) -> list[str]:
     if not plan.layers:
         v.append("layers: must not be empty")
     node_slots = np.array([n.slots for n in plan.nodes], dtype=np.int64)
-    for li, layer in enumerate(plan.layers):
+    for li, layer in enumerate([] if _layers_sound(plan, node_slots) else plan.layers):
         where = f"layers[{li}]"
         if len(layer.replicas) != plan.experts:
             v.append(f"{where}.replicas: needs one count per expert ({plan.experts})")
@@ -497,6 +509,25 @@ def violations(plan: Plan) -> list[str]:
         if not (str(k).isdigit() and 0.0 <= p <= 1.0):
             v.append(f"recovery[{k}]: must map a failure count to a probability in [0, 1]")
     return v
+
+
+def _layers_sound(plan: Plan, node_slots: np.ndarray) -> bool:
+    """Whether every layer's slot counts, expert ids and replica counts hold, checked for
+    all layers at once (a re-plan at 1,024 GPUs: 0.5 ms, against 3 layer by layer);
+    ``_layer_violations`` names what is wrong where they do not."""
+    layers = plan.layers
+    if not layers or any(len(layer.replicas) != plan.experts
+                         or len(layer.sizes) != len(node_slots) for layer in layers):
+        return not layers
+    if (np.array([layer.sizes for layer in layers], dtype=np.int64) != node_slots).any():
+        return False
+    slots = plan.slot_matrix  # every layer as long, its sizes being the nodes' slots
+    if slots.size and not (0 <= slots.min() and slots.max() < plan.experts):
+        return False
+    want = np.array([layer.replicas for layer in layers], dtype=np.int64)
+    return bool((want >= 1).all() and (want.ravel() == np.bincount(
+        (slots + np.arange(len(layers))[:, None] * plan.experts).ravel(),
+        minlength=want.size)).all())
 
 
 def _layer_violations(where: str, layer: LayerPlan, plan: Plan, node_slots: np.ndarray

