@@ -187,7 +187,13 @@ class _Carried:
         self.loads = (np.ones((L, E)) if loads is None
                       else np.asarray(loads, dtype=np.float64).reshape(L, E))
         self.layer = np.arange(L)[:, None]
-        self.count = self._per_expert(self.slots)
+        # [layer, slot]: each slot's (layer, expert) cell of a [layer, expert] table, and its
+        # (layer, rank) cell of a [layer, rank] one, as flat indexes: a flat gather by them
+        # is a third of the time of indexing by layer and expert (230,000 slots at 1,024
+        # GPUs, several gathers a re-plan).
+        self.cell = self.slots + self.layer * E
+        self.rank_cell = (self.layer * self.num_ranks + self.rank_of).ravel()
+        self.count = np.bincount(self.cell.ravel(), minlength=L * E).reshape(L, E)
         held_any = old.count_cube > 0  # [layer, node of old, expert]
         self.present = held_any[:, held]
         self.spread = self.present.sum(axis=1)  # [layer, expert]: nodes holding it
@@ -218,11 +224,10 @@ class _Carried:
         # (``leave``: how many more may go). Experts to be widened keep every replica.
         # (Twins on one node could go too; finding them costs a sort of every slot, more
         # than they save.)
-        on_core = self.members[self.core[self.layer, self.slots], self.node_of]
+        on_core = self.members[self._of_slots(self.core), self.node_of]
         cored = kept | self.recored
         coreless = ~kept & ~broken
-        self.movable = ((cored[self.layer, self.slots] & ~on_core)
-                        | coreless[self.layer, self.slots])
+        self.movable = (self._of_slots(cored) & ~on_core) | self._of_slots(coreless)
         self.leave = np.where(cored, self.count,
                               np.where(coreless, self.spread - self.largest, 0))
         # Replicas each expert can give up, never below its need; broken experts give none
@@ -236,22 +241,20 @@ class _Carried:
         self.refilled = np.zeros(self.slots.shape, dtype=bool)  # slots ``refill`` gave
         self.placed = self.slots.copy()
         weights = self.loads / np.maximum(self.count, 1)
-        self.rank_load = self._rank_load(self.slots, weights)
+        self.rank_load = self._rank_load(self.cell, weights)
 
-    def _per_expert(self, slots: np.ndarray) -> np.ndarray:
-        E = self.experts
-        return np.bincount((slots + self.layer * E).ravel(),
-                           minlength=self.num_layers * E).reshape(-1, E)
+    def _of_slots(self, table: np.ndarray) -> np.ndarray:
+        """[layer, slot]: the entry of a [layer, expert] ``table`` for each slot's expert."""
+        return np.take(table.ravel(), self.cell)
 
-    def _rank_load(self, slots: np.ndarray, weights: np.ndarray,
+    def _rank_load(self, cells: np.ndarray, weights: np.ndarray,
                    where: np.ndarray | None = None) -> np.ndarray:
-        """[layer, rank]: the load of each rank's ``slots`` (those ``where`` holds)."""
-        ranks = self.layer * self.num_ranks + self.rank_of
-        load = weights[self.layer, slots]
+        """[layer, rank]: the load of each rank's slots (those ``where`` holds), whose
+        experts' (layer, expert) cells are ``cells``."""
+        ranks, load = self.rank_cell, np.take(weights.ravel(), cells).ravel()
         if where is not None:
-            ranks, load = ranks[where], load[where]
-        return np.bincount(ranks.ravel(), weights=load.ravel(),
-                           minlength=self.num_layers * self.num_ranks
+            ranks, load = ranks[where.ravel()], load[where.ravel()]
+        return np.bincount(ranks, weights=load, minlength=self.num_layers * self.num_ranks
                            ).reshape(-1, self.num_ranks)
 
     def impossible(self) -> bool:
@@ -363,7 +366,7 @@ class _Carried:
         if not layers.any():
             return True
         cl, cp = self._busiest_first(self.movable & ~self.used & layers[:, None]
-                                     & (self.spare[self.layer, self.slots] > 0))
+                                     & (self._of_slots(self.spare) > 0))
         ch = self.slots[cl, cp]
         bounds = np.searchsorted(cl, np.arange(self.num_layers + 1)).tolist()
         nodes_of = self.node_of.tolist()
@@ -428,7 +431,7 @@ class _Carried:
         L, E = self.num_layers, self.experts
         extra = np.maximum(self.need - self.count - self.added, 0) + self.displaced
         cl, cp, ce = self._given_up(self.movable & ~self.used
-                                    & (self.spare[self.layer, self.slots] > 0),
+                                    & (self._of_slots(self.spare) > 0),
                                     extra.sum(axis=1))
         count = (self.count + self.added + extra - self.removed
                  - np.bincount(cl * E + ce, minlength=L * E).reshape(L, E))
@@ -443,7 +446,7 @@ class _Carried:
         weights = self.loads / np.maximum(count, 1)
         freed = np.zeros(self.slots.shape, dtype=bool)
         freed[cl, cp] = True
-        load = self._rank_load(self.placed, weights, ~freed)
+        load = self._rank_load(self.placed + self.layer * E, weights, ~freed)
         lightest = np.lexsort((load[cl, self.rank_of[cp]], cl))
         add_layer, add_expert = add_layer[made], add_expert[made]
         heaviest = np.lexsort((-weights[add_layer, add_expert], add_layer))
