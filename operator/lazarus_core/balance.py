@@ -735,7 +735,7 @@ def _per_layer(slots: np.ndarray, replicas, loads, rank_of_slot: np.ndarray,
     w = np.divide(t, r, out=np.zeros_like(t), where=r > 0)
     num_layers = len(slots)
     # A flat gather: ``np.take_along_axis`` builds an index per axis (1,024 GPUs' 230,000
-    # slots: 1.5 ms against 0.5).
+    # slots: 1 ms against 0.3).
     per_slot = np.take(w.ravel(), slots + np.arange(num_layers)[:, None] * w.shape[1])
     per_rank = np.bincount((np.arange(num_layers)[:, None] * num_ranks + rank_of_slot).ravel(),
                            weights=per_slot.ravel(),

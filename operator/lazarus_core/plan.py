@@ -208,8 +208,8 @@ class _Counts:
         # int16: a node holds at most its slots of one expert (solver.LIMITS: 1,024), and
         # re-plans gather and compare this cube several times (a quarter of int64's bytes).
         # Counted straight into int16: most cells are empty, and ``np.bincount`` fills an
-        # int64 cell for each before the cast (a re-plan's new plan at 1,024 GPUs: 7 ms
-        # against 0.6).
+        # int64 cell for each before the cast (a re-plan's new plan at 1,024 GPUs: 6 ms
+        # against 2).
         cube = np.zeros(num_layers * num_nodes * self.experts, dtype=np.int16)
         np.add.at(cube, (offsets + self.slots).ravel(), np.int16(1))
         return cube.reshape(num_layers, num_nodes, self.experts)
@@ -516,9 +516,11 @@ def _layers_sound(plan: Plan, node_slots: np.ndarray) -> bool:
     all layers at once (a re-plan at 1,024 GPUs: 0.5 ms, against 3 layer by layer);
     ``_layer_violations`` names what is wrong where they do not."""
     layers = plan.layers
-    if not layers or any(len(layer.replicas) != plan.experts
-                         or len(layer.sizes) != len(node_slots) for layer in layers):
-        return not layers
+    if not layers:
+        return True
+    if any(len(layer.replicas) != plan.experts or len(layer.sizes) != len(node_slots)
+           for layer in layers):
+        return False
     if (np.array([layer.sizes for layer in layers], dtype=np.int64) != node_slots).any():
         return False
     slots = plan.slot_matrix  # every layer as long, its sizes being the nodes' slots

@@ -115,6 +115,22 @@ def test_a_damaged_compact_plan_names_the_field(change, field):
     assert err.value.violations[0].startswith(field)
 
 
+def test_slots_that_disagree_only_with_the_counts_are_named():
+    # Every node's slot count and every expert id in order: only the counts say otherwise.
+    # The layers are checked all at once first, and that check must still see it.
+    d = _plan().to_dict()
+    slots = d["layers"][1]["placement"][0]
+    was = slots[0]
+    slots[0] = (was + 1) % 6
+    with pytest.raises(PlanError) as err:
+        Plan.from_dict(d)
+    assert sorted(err.value.violations) == sorted([
+        f"layers[1].replicas[{was}]: says {d['layers'][1]['replicas'][was]}, placement holds "
+        f"{d['layers'][1]['replicas'][was] - 1}",
+        f"layers[1].replicas[{(was + 1) % 6}]: says {d['layers'][1]['replicas'][(was + 1) % 6]}, "
+        f"placement holds {d['layers'][1]['replicas'][(was + 1) % 6] + 1}"])
+
+
 def test_expert_ids_out_of_range_are_named():
     d = _plan().to_dict()
     d["layers"][1]["placement"][3][0] = 99
