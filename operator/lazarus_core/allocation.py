@@ -91,17 +91,22 @@ def allocate_many(loads: Sequence[Sequence[float]], total_slots: int,
     ranked = np.take_along_axis(t, order, axis=1)
     # suffix[:, i] = load of ranked[:, i:], summed from the small end (a running sum)
     suffix = np.cumsum(ranked[:, ::-1], axis=1)[:, ::-1]
-    counts = np.empty((num_layers, num_experts), dtype=np.int64)
+    # Each expert's fraction of the load still to place, divided out for all at once (the
+    # loop below then multiplies: the same arithmetic, in the same order), expert by
+    # expert in rows; no fraction where nothing is left to place.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fraction = np.where(suffix > 0, ranked / suffix, 0.0).T.copy()
+    counts = np.empty((num_experts, num_layers), dtype=np.int64)
     free = np.full(num_layers, total_slots, dtype=np.int64)
     for i in range(num_experts - 1):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(suffix[:, i] > 0, ranked[:, i] / suffix[:, i] * free, 0.0)
-        r = np.maximum(np.floor(share + _FLOOR_SLACK).astype(np.int64), min_replicas)
+        r = np.maximum(np.floor(fraction[i] * free + _FLOOR_SLACK).astype(np.int64),
+                       min_replicas)
         # Leave every expert still to come its minimum, whatever rounding did.
         r = np.minimum(r, free - (num_experts - 1 - i) * min_replicas)
-        counts[:, i] = r
+        counts[i] = r
         free -= r
-    counts[:, -1] = free
+    counts[-1] = free
+    counts = counts.T
     replicas = np.empty_like(counts)
     np.put_along_axis(replicas, order, counts, axis=1)
     return replicas.tolist()

@@ -116,14 +116,20 @@ def align(layers: Sequence[Sequence[int]], template: LayerAnchors, slots: Sequen
     fewest = min((r for r in template.replicas if r), default=0)
     spread = fewest and set(family) == set(even_cover_masks(len(slots), fewest))
     template_rank = _ranked([template.replicas], [template_weights])[0]
-    template_sorted = [template.replicas[e] for e in template_rank]
+    counts = np.asarray(layers, dtype=np.int64).reshape(len(layers), -1)
+    order = _ranking(counts, weights)
+    # A layer whose counts, in rank order, are the template's takes its cores rank for
+    # rank: each expert's rank (the inverse of its layer's order) picks its core, for every
+    # layer in one gather (58 layers of 256 experts: 4.8 ms one expert at a time).
+    alike = (np.take_along_axis(counts, order, axis=1)
+             == [template.replicas[e] for e in template_rank]).all(axis=1)
+    by_rank = np.empty(len(template_rank), dtype=object)
+    by_rank[:] = [template.cores[t] for t in template_rank]
+    cores = iter(by_rank[np.argsort(order[alike], axis=1)].tolist())
     out = []
-    for li, (replicas, experts) in enumerate(zip(layers, _ranked(layers, weights))):
-        if [replicas[e] for e in experts] == template_sorted:
-            cores = [0] * len(replicas)
-            for e, t in zip(experts, template_rank):
-                cores[e] = template.cores[t]
-            out.append(LayerAnchors(tuple(replicas), tuple(cores)))
+    for li, (replicas, experts) in enumerate(zip(layers, order.tolist())):
+        if alike[li]:
+            out.append(LayerAnchors(tuple(replicas), tuple(next(cores))))
         else:
             out.append((spread and anchor_evenly(replicas, weights[li], slots))
                        or anchor_greedily(replicas, weights[li], family, slots, largest,
@@ -135,10 +141,15 @@ def _ranked(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]]
             ) -> list[list[int]]:
     """Each layer's experts, fewest replicas first, then the heaviest, then by id (one sort
     for every layer)."""
+    return _ranking(layers, weights).tolist()
+
+
+def _ranking(layers: Sequence[Sequence[int]], weights: Sequence[Sequence[float]]
+             ) -> np.ndarray:
+    """``_ranked`` as a [layer, rank] array."""
     r = np.asarray(layers, dtype=np.int64).reshape(len(layers), -1)
     w = np.asarray(weights, dtype=np.float64).reshape(r.shape)
-    return np.lexsort((np.broadcast_to(np.arange(r.shape[1]), r.shape), -w, r),
-                      axis=-1).tolist()
+    return np.lexsort((np.broadcast_to(np.arange(r.shape[1]), r.shape), -w, r), axis=-1)
 
 
 def anchor_greedily(replicas: Sequence[int], weights: Sequence[float], family: Sequence[int],
