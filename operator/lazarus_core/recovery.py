@@ -73,7 +73,9 @@ def minimal_rows(present: np.ndarray) -> np.ndarray:
     rows = present[np.sort(order[runs])]
     sizes = rows.sum(axis=1)
     kept = np.zeros((0, present.shape[1]), dtype=bool)
-    for size in np.unique(sizes):
+    # Sizes as Python ints: a first plain ``np.unique`` in a process imports numpy.ma (16
+    # ms of `lazarus plan`).
+    for size in sorted(set(sizes.tolist())):
         same = rows[sizes == size]
         if len(kept):
             inside = same.astype(np.int32) @ kept.T.astype(np.int32) == kept.sum(axis=1)
