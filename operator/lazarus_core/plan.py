@@ -513,7 +513,7 @@ def violations(plan: Plan) -> list[str]:
 
 def _layers_sound(plan: Plan, node_slots: np.ndarray) -> bool:
     """Whether every layer's slot counts, expert ids and replica counts hold, checked for
-    all layers at once (a re-plan at 1,024 GPUs: 0.5 ms, against 3 layer by layer);
+    all layers at once (a re-plan's plan at 1,024 GPUs: 2.4 ms, against 4.6 layer by layer);
     ``_layer_violations`` names what is wrong where they do not."""
     layers = plan.layers
     if not layers:
