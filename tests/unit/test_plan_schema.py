@@ -124,11 +124,10 @@ def test_slots_that_disagree_only_with_the_counts_are_named():
     slots[0] = (was + 1) % 6
     with pytest.raises(PlanError) as err:
         Plan.from_dict(d)
+    other, said = (was + 1) % 6, d["layers"][1]["replicas"]
     assert sorted(err.value.violations) == sorted([
-        f"layers[1].replicas[{was}]: says {d['layers'][1]['replicas'][was]}, placement holds "
-        f"{d['layers'][1]['replicas'][was] - 1}",
-        f"layers[1].replicas[{(was + 1) % 6}]: says {d['layers'][1]['replicas'][(was + 1) % 6]}, "
-        f"placement holds {d['layers'][1]['replicas'][(was + 1) % 6] + 1}"])
+        f"layers[1].replicas[{was}]: says {said[was]}, placement holds {said[was] - 1}",
+        f"layers[1].replicas[{other}]: says {said[other]}, placement holds {said[other] + 1}"])
 
 
 def test_expert_ids_out_of_range_are_named():

@@ -70,6 +70,19 @@ def test_masks_have_one_bit_per_node_at_any_width(rows):
     assert masks_of(present) == [sum(1 << i for i, held in enumerate(r) if held) for r in rows]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 200).flatmap(lambda n: st.tuples(st.just(n), st.lists(
+    st.lists(st.booleans(), min_size=n, max_size=n), max_size=8))))
+def test_minimal_rows_are_the_minimal_sets_at_any_width(case):
+    # Rows are told apart by sorting 64-bit words of them: widths around 64, repeated rows,
+    # and no rows or no columns at all.
+    n, rows = case
+    present = np.array(rows + rows[:2], dtype=bool).reshape(len(rows) + len(rows[:2]), n)
+    got = recovery.minimal_rows(present)
+    assert sorted(masks_of(got)) == sorted(minimal_sets(m for m in masks_of(present) if m))
+    assert list(got.sum(axis=1)) == sorted(got.sum(axis=1))
+
+
 def test_only_minimal_sets_are_kept():
     assert minimal_sets([0b011, 0b111, 0b100, 0b110]) == [0b100, 0b011]
 
