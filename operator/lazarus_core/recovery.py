@@ -59,14 +59,11 @@ def minimal_rows(present: np.ndarray) -> np.ndarray:
     present = present[present.any(axis=1)]
     if not len(present):
         return present
-    packed = np.packbits(present, axis=1)
-    # Distinct rows: packed into 64-bit words and sorted on them, far cheaper than by
-    # column, and than ``np.unique`` of each row as one opaque value (a re-plan at 1,024
-    # GPUs: 9,600 rows of 128 nodes, 1 ms against 2). The sort is stable: the first of
-    # each run is the row's first occurrence.
-    words = np.zeros((len(packed), -(-packed.shape[1] // 8) * 8), dtype=np.uint8)
-    words[:, :packed.shape[1]] = packed
-    words = words.view("<u8")
+    # Distinct rows: sorted on their 64-bit words, far cheaper than by column, and than
+    # ``np.unique`` of each row as one opaque value (a re-plan at 1,024 GPUs: 9,600 rows of
+    # 128 nodes, 1 ms against 2). The sort is stable: the first of each run is the row's
+    # first occurrence.
+    words = _words(present)
     order = np.lexsort(words.T)
     runs = np.ones(len(order), dtype=bool)
     runs[1:] = (words[order[1:]] != words[order[:-1]]).any(axis=1)
@@ -83,16 +80,23 @@ def minimal_rows(present: np.ndarray) -> np.ndarray:
         kept = np.concatenate((kept, same))
     return kept
 
-def masks_of(present: np.ndarray) -> list[int]:
-    """One bitmask per row of a boolean [row, node] matrix (bit i: node i)."""
+
+def _words(present: np.ndarray) -> np.ndarray:
+    """[row, word]: each row of a boolean [row, node] matrix as 64-bit words, bit i of
+    word j being node 64 j + i."""
     packed = np.packbits(present, axis=1, bitorder="little")
-    # As 64-bit words, joined in Python only where a mask is wider: a re-plan at 1,024
-    # GPUs makes 15,000 masks, and bytes converted one row at a time took 4 ms.
     words = np.zeros((len(packed), -(-packed.shape[1] // 8) * 8), dtype=np.uint8)
     words[:, :packed.shape[1]] = packed
-    columns = [c.tolist() for c in words.view("<u8").T]
+    return words.view("<u8")
+
+
+def masks_of(present: np.ndarray) -> list[int]:
+    """One bitmask per row of a boolean [row, node] matrix (bit i: node i)."""
+    # As 64-bit words, joined in Python only where a mask is wider: a re-plan at 1,024
+    # GPUs makes 15,000 masks, and bytes converted one row at a time took 4 ms.
+    columns = [c.tolist() for c in _words(present).T]
     if not columns:
-        return [0] * len(packed)
+        return [0] * len(present)
     masks = columns[-1]
     for column in reversed(columns[:-1]):
         masks = [high << 64 | low for high, low in zip(masks, column)]
