@@ -376,12 +376,16 @@ class _Carried:
             holds = ch[bounds[li]:bounds[li + 1]].tolist()
             spare = self.spare[li].tolist()
             free = [True] * len(slots)
+            head = 0  # the slots before it are taken, or their experts have none to spare
             for e in np.flatnonzero(self.widened[li]).tolist():
+                while head < len(slots) and not (free[head] and spare[holds[head]] > 0):
+                    head += 1
                 short = self.largest - int(self.spread[li, e])
                 lacks = (~self.present[li, :, e]).tolist()
-                for k, (slot, was) in enumerate(zip(slots, holds)):
+                for k in range(head, len(slots)):
                     if not short:
                         break
+                    slot, was = slots[k], holds[k]
                     if free[k] and lacks[nodes_of[slot]] and spare[was] > 0:
                         free[k] = lacks[nodes_of[slot]] = False
                         spare[was] -= 1
