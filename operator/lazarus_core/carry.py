@@ -489,7 +489,7 @@ class _Carried:
                 layers = layers[(balance > enough) & (balance <= enough * BALANCED_ENOUGH)]
                 if not len(layers):
                     return
-                free = self.refilled | self._loose()
+                free = self.refilled | self._loose(layers)
             budget = FILL_EVALUATIONS // len(layers)
             for li in layers.tolist():
                 placed[li] = trade_counts(placed[li], self.rank_of, rank_node,
@@ -497,11 +497,16 @@ class _Carried:
                                           self.loads[li], rank_slots, self.least, enough,
                                           budget)
 
-    def _loose(self) -> np.ndarray:
-        """[layer, slot]: the kept replicas that anchor nothing and may go, each expert's
-        on the busiest ranks first, as many as it may still leave (an expert without a
-        core keeps ``largest`` nodes)."""
-        cl, cp = self._busiest_first(self.movable & ~self.used & ~self.refilled)
+    def _loose(self, layers: np.ndarray) -> np.ndarray:
+        """[layer, slot]: in ``layers``, the kept replicas that anchor nothing and may go,
+        each expert's on the busiest ranks first, as many as it may still leave (an expert
+        without a core keeps ``largest`` nodes). Only the layers that trade on are ordered:
+        every layer's slots took a fifth of a carried re-plan (1,024 GPUs, zipf 0.8-1.4,
+        one layer trading on: 18 ms of 100)."""
+        rows = np.zeros(self.num_layers, dtype=bool)
+        rows[layers] = True
+        cl, cp = self._busiest_first(self.movable & ~self.used & ~self.refilled
+                                     & rows[:, None])
         ce = self.slots[cl, cp]
         keep = _nth(cl * self.experts + ce) < self.leave[cl, ce]
         out = np.zeros(self.slots.shape, dtype=bool)
