@@ -398,3 +398,56 @@ def test_a_layer_far_over_the_bound_does_not_trade_again(monkeypatch):
     # Every layer is more than 1% over a bound of 1.0 (the near case: the test above).
     state.trade(placed, np.arange(4), g, per, 1.0)
     assert (layer_balance(placed, state.loads, g, per) > 1.01).all() and not calls
+
+
+def test_a_fresh_node_gives_up_slots_in_turn_as_far_as_each_expert_may_leave(plan):
+    """``_Carried._place_on``: in its order (slots of experts with spare replicas first,
+    then busiest ranks first), a node gives up the slots whose expert may still leave one
+    more replica, the earlier slots of that expert counting against it, until every new
+    replica has one; the last new replica takes the first slot. A replica given up by an
+    expert with replicas to spare is gone; one beyond them is placed again elsewhere."""
+    survivors = NODES[1:]
+    ordered = solver._order(survivors, EXPERTS, LAYERS)
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(40):
+        state = _Carried(plan, ordered, _survivors(plan, ordered, {n.name for n in survivors}),
+                         LOADS)
+        li, node = int(rng.integers(LAYERS)), int(rng.integers(len(ordered)))
+        columns = state._columns(node)
+        # Some experts may leave none, some one, some more; some have none to spare.
+        state.leave[li] = rng.integers(0, 3, EXPERTS)
+        state.spare[li] = np.minimum(rng.integers(0, 2, EXPERTS), state.leave[li])
+        open_ = np.flatnonzero(state.movable[li, columns] & ~state.used[li, columns])
+        if not len(open_):
+            continue
+        experts = rng.choice(EXPERTS, int(rng.integers(1, len(open_) + 2)), replace=False)
+        before = copy.deepcopy(state)
+        done = state._place_on(li, node, experts)
+        # What the node's slots should become, one slot at a time.
+        order = columns.start + open_
+        order = order[np.lexsort((-before.rank_load[li, before.rank_of[order]],
+                                  before.spare[li, before.slots[li, order]] == 0))]
+        leave, spare = before.leave[li].copy(), before.spare[li].copy()
+        removed, displaced, left = np.zeros(EXPERTS, int), np.zeros(EXPERTS, int), list(experts)
+        placed, used = before.placed[li].copy(), before.used[li].copy()
+        for slot in order:
+            was = before.slots[li, slot]
+            if left and leave[was] > 0:
+                leave[was] -= 1
+                removed[was] += 1
+                if spare[was] > 0:
+                    spare[was] -= 1
+                else:
+                    displaced[was] += 1
+                placed[slot], used[slot] = left.pop(), True
+        assert done == (not left)
+        assert (state.placed[li] == placed).all() and (state.used[li] == used).all()
+        assert (state.leave[li] == leave).all() and (state.spare[li] == spare).all()
+        assert (state.removed[li] - before.removed[li] == removed).all()
+        assert (state.displaced[li] - before.displaced[li] == displaced).all()
+        assert (state.added[li] - before.added[li]
+                == np.bincount(experts[::-1][:len(experts) - len(left)],
+                               minlength=EXPERTS)).all()
+        checked += 1
+    assert checked >= 30
