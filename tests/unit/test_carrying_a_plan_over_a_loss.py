@@ -410,7 +410,7 @@ def test_a_fresh_node_gives_up_slots_in_turn_as_far_as_each_expert_may_leave(pla
     ordered = solver._order(survivors, EXPERTS, LAYERS)
     rng = np.random.default_rng(7)
     checked = 0
-    for trial in range(40):
+    for _ in range(40):
         state = _Carried(plan, ordered, _survivors(plan, ordered, {n.name for n in survivors}),
                          LOADS)
         li, node = int(rng.integers(LAYERS)), int(rng.integers(len(ordered)))
