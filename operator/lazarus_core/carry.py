@@ -397,8 +397,12 @@ class _Carried:
         tl, tp, te = (np.array(x, dtype=np.int64) for x in (took_layer, took_slot,
                                                              took_expert))
         E = self.experts
-        self.removed += np.bincount(tl * E + self.slots[tl, tp],
-                                    minlength=self.num_layers * E).reshape(-1, E)
+        # The replicas given up count against what each expert may leave (``_loose``), as
+        # ``_place_on``'s and ``refill``'s do.
+        given = np.bincount(tl * E + self.slots[tl, tp],
+                            minlength=self.num_layers * E).reshape(-1, E)
+        self.removed += given
+        self.leave -= given
         self.added += np.bincount(tl * E + te, minlength=self.num_layers * E).reshape(-1, E)
         self.used[tl, tp] = True
         self.placed[tl, tp] = te

@@ -451,3 +451,25 @@ def test_a_fresh_node_gives_up_slots_in_turn_as_far_as_each_expert_may_leave(pla
                                minlength=EXPERTS)).all()
         checked += 1
     assert checked >= 30
+
+
+def test_every_replica_given_up_counts_against_what_its_expert_may_leave(plan):
+    """``leave`` is how many more of an expert's replicas may go (``_loose`` frees no more):
+    each one ``recore`` and ``widen`` give up for new replicas lowers it by one, so an
+    expert without a core still keeps ``largest`` nodes once the layer trades on."""
+    widened = 0
+    for survivors, names in losses(NODES, draws=30, seed=9, most=4):
+        ordered = solver._order(survivors, EXPERTS, LAYERS)
+        held = _survivors(plan, ordered, names)
+        if held is None:
+            continue
+        state = _Carried(plan, ordered, held, LOADS)
+        leave = state.leave.copy()
+        if not state.recore():
+            continue
+        after_recore = state.removed.sum()
+        if not state.widen():
+            continue
+        widened += state.removed.sum() > after_recore
+        assert (state.leave + state.removed == leave).all()
+    assert widened >= 3
