@@ -199,7 +199,7 @@ def structure(layers: Sequence[Sequence[int]], slots: Sequence[int],
 
     def maker(index, weights, probe, template):
         return lambda: align(shape.variants[index], template, slots, weights, weights[probe],
-                             shape.largest)
+                             shape.largest, shape.aligned)
 
     return ([maker(*choice) for choice in shape.alternatives(heavier=True)],
             shape.fallback and maker(*shape.fallback))
@@ -274,7 +274,7 @@ def restructure(layers: Sequence[Sequence[int]], slots: Sequence[int],
 
     def fresh(index, weights, probe, template):
         return lambda: align(shape.variants[index], template, slots, weights, weights[probe],
-                             shape.largest)
+                             shape.largest, shape.aligned)
 
     # Each option's most fragile layer balance, as ``_ranked`` measures it: what its fill
     # is held against (``balance.first_balanced``'s ``bounds``).
@@ -361,6 +361,7 @@ class _Shape:
         self.k = scored_failures(len(slots))
         self.largest = largest_core(len(slots))
         self.templates: dict[tuple[int, int], LayerAnchors] = {}  # see ``structure_of``
+        self.aligned: dict[tuple, LayerAnchors] = {}  # ``anchors.align``'s memo
         self.weights: dict[int, tuple] = {}  # variant -> ``weighed``
         self.options: list[tuple] = []  # the last ``template``'s, for ``alternatives``
         self.reference: tuple[int, ...] | None = None  # see ``search``
@@ -463,7 +464,7 @@ class _Shape:
         replicas = self.variants[key[0]]
         weights, probe = self.weighed_variant(key[0])
         anchors = align(replicas, self.structure_of(key), self.slots, weights, weights[probe],
-                        self.largest)
+                        self.largest, self.aligned)
         placed = place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,
                                 trade=True)
         num_experts = len(replicas[0])
@@ -764,7 +765,7 @@ class _Shape:
 
         def measure() -> float:
             aligned = align([replicas], template, self.slots, [weights[heaviest]],
-                            weights[probe], self.largest)[0]
+                            weights[probe], self.largest, self.aligned)[0]
             return max(balance, self.filled(aligned, heaviest, self.trade)[1])
         return measure
 
