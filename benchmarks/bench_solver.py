@@ -12,10 +12,11 @@ Cases, all with f=2 and zipf(1.0) expert loads that rotate across layers:
 and 1,024 GPUs again with loads whose layers differ in shape, as measured routing does
 (``lazarus_sim.workload.differing_loads``: zipf 0.4-1.0 per layer, noise, random order):
 rotated zipf loads give every layer the same shape, which the solver plans once; and with
-such loads more skewed (zipf 0.8-1.4), where no option the search weighs has its ranks
-within 1.05 (with 4 slots a rank, the coldest experts' slots leave the hot replicas too
-few ranks), so the search runs to its end at 1.0504, and its busiest layer then trades
-on to 1.0497 (``balance.traded_on``; docs/placement.md, stop 51).
+such loads more skewed (zipf 0.8-1.4), where none of the search's first options has its
+ranks within 1.05 (with 4 slots a rank, the coldest experts' slots leave the hot replicas
+too few ranks) and the plan takes counts whose cold experts fill their cores
+(``allocation.filling_cores``; docs/placement.md, stop 57; until then the search ran to
+its end, 4-6 s, at 1.0497).
 
 ``--shapes`` runs other shapes near 1,024 GPUs instead (``SHAPES``: 2 slots a GPU, E=512,
 zipf 2.0, 124, 256 and 16 nodes, 4 GPUs a node), which the issue sets no target for: an

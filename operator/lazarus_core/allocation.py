@@ -270,10 +270,11 @@ def filling_cores(replicas: Sequence[Sequence[int]], loads: np.ndarray, node_slo
     formula's counts evened out, f + 1 at least.
 
     The cold experts' cores are what keeps the fatal sets few (``mro.py``), and their
-    replicas are light: with the formula's counts their nodes' ranks carry little, and the
-    others more than the mean (1,024 GPUs, per-layer zipf 0.8-1.4: 96 ranks on those nodes
-    at 0.59 times the mean, 928 at 1.04). Filled to their share, those ranks carry more and
-    the others less, in no more cores: the same fatal sets of f nodes. A layer with no
+    replicas are light, so their nodes' ranks carry little and the others more than the
+    mean (1,024 GPUs, per-layer zipf 0.8-1.4, the plan the search traded its way to: in
+    its busiest layer, 96 ranks on those nodes at 0.59 times the mean, 928 at 1.04).
+    Filled to their share, those ranks carry more and the others less, in no more cores:
+    the same fatal sets of f nodes. A layer with no
     expert at the floor, or one without replicas, keeps its counts."""
     r = np.asarray(replicas, dtype=np.int64).reshape(len(replicas), -1)
     t = np.asarray(loads, dtype=np.float64).reshape(r.shape)
