@@ -692,14 +692,17 @@ class _Shape:
         (``allocation.filling_cores``), as (key, option): taken at once where that option
         recovers as well as the best (``admissible``), its most fragile layer filled
         without trading has ranks within ``BALANCE_TARGET``, and so has every layer of the
-        plan filled around it (``place_anchored``, as ``filled`` fills the option it takes
-        first: the plan is that fill). None otherwise, with what finding out added taken
-        back, so that the search then runs as it would have.
+        plan filled around it (``place_anchored``, the fill ``filled`` makes of it: the
+        only option within the target, it ranks first unless its heaviest layer filled
+        alone does not balance, and ``first_balanced`` takes the first fill within the
+        target). None otherwise, with what finding out added taken back, so that the
+        search then runs as it would have.
 
         A fresh plan's only (a re-plan weighs what its options move, and fills the counts
         it repairs): 1,024 GPUs with per-layer zipf 0.8-1.4 loads, the search traded its
         way from 1.0565 to 1.0504 in 4.5 s (0 / 6 / 756 fatal sets of 1-3 nodes); these
-        counts balance every layer at 1.0457 with the same fatal sets, in 0.2 s."""
+        counts balance every layer at 1.0457 with the same fatal sets of 1 and 2 nodes,
+        and the plan takes 0.4 s."""
         if not self.fresh or self.spreading or len(set(self.slots)) != 1:
             return None
         (index, _), *_ = self.ranked([o for o, _ in options.values()])[0]
