@@ -43,7 +43,7 @@ def test_the_coldest_experts_fill_whole_cores_within_their_share(seed):
 def test_where_slots_are_tight_the_others_keep_three_replicas_each():
     loads = _loads(16, [1.5], 0)
     counts = np.array(filling_cores([[2] * 14 + [3, 3]], loads, 4)[0])  # 34 slots
-    assert counts.sum() == 34 and (counts == 2).sum() in (14, 15, 16)
+    assert counts.sum() == 34 and (counts == 2).sum() in (14, 15)  # one at least stays above
     assert (counts[counts != 2] >= 3).all()
 
 
