@@ -467,11 +467,8 @@ class _Shape:
     def trade_variants(self, key: tuple[int, int]) -> list[int]:
         """``traded``, computed."""
         replicas = self.variants[key[0]]
-        weights, probe = self.weighed_variant(key[0])
-        anchors = align(replicas, self.structure_of(key), self.slots, weights, weights[probe],
-                        self.largest, self.aligned)
-        placed = place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,
-                                trade=True)
+        _, probe = self.weighed_variant(key[0])
+        placed = self.placed(key[0], self.structure_of(key))
         num_experts = len(replicas[0])
         ends = fill_counts(placed, num_experts).tolist()
         by_rank = [ends[probe][e] for e in _by_load(self.loads[probe])]
@@ -721,14 +718,19 @@ class _Shape:
         return None
 
     def fills_within(self, value) -> bool:
-        """Whether every layer of option ``value``'s plan, filled as ``filled`` fills it
-        (aligned on its cores, trading counts), has its ranks within ``BALANCE_TARGET``."""
-        (index, _), weights, probe, template = value
+        """Whether every layer of option ``value``'s plan, filled as ``filled`` fills it,
+        has its ranks within ``BALANCE_TARGET``."""
+        (index, _), _, _, template = value
+        return self.busiest(self.placed(index, template), self.loads) <= BALANCE_TARGET
+
+    def placed(self, index: int, template: LayerAnchors) -> np.ndarray:
+        """Every layer of variant ``index`` aligned on ``template``'s cores and filled
+        trading counts, [layer, slot] (as ``filled`` fills a plan's option)."""
+        weights, probe = self.weighed_variant(index)
         anchors = align(self.variants[index], template, self.slots, weights, weights[probe],
                         self.largest, self.aligned)
-        placed = place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,
-                                trade=True)
-        return self.busiest(placed, self.loads) <= BALANCE_TARGET
+        return place_anchored(anchors, self.slots, self.loads, self.ranks_per_node, None,
+                              trade=True)
 
     def searched(self, indexes) -> list[int]:
         """The variants of ``indexes`` this search weighs: the raised floor's is the second
